@@ -1,0 +1,91 @@
+"""Is a draft worth its forward? Expected tokens per unit of forward cost.
+
+A forward over q new tokens costs cost(q) relative to a one-token forward. On a GPU cost is
+nearly flat up to tens of tokens; on a small CPU it jumps ~1.9x from q=1 to q=2 (RUNTIME.md).
+A draft whose nodes are reached with probabilities p_i yields 1 + sum(p_i) tokens in
+expectation. We keep the top-m nodes by probability (a connected subtree, since probabilities
+never grow along a path) for the m that maximises (1 + c * sum p) / cost(m + 1), where c
+calibrates the trie's probability estimates against what the model actually accepted. m = 0
+is a plain decoding step. Both cost(q) and c are learned online from real steps. A batched step
+applies the same rule to the whole batch (see plan_step).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from .draft import Draft
+
+# Relative forward cost by number of new tokens, before any step was measured.
+CPU_PRIOR = {1: 1.0, 2: 1.9, 4: 1.95, 8: 2.0, 16: 2.05, 32: 2.65, 64: 3.5, 128: 5.5}
+GPU_PRIOR = {1: 1.0, 2: 1.02, 4: 1.03, 8: 1.05, 16: 1.08, 32: 1.15, 64: 1.3, 128: 1.7}
+_EMA = 0.1
+
+
+def _bucket(q: int) -> int:
+    """Round q up to a power of two (cost is measured per bucket)."""
+    return 1 << max(0, math.ceil(math.log2(max(q, 1))))
+
+
+@dataclass
+class CostModel:
+    """Seconds per forward by bucket of new tokens, as exponential moving averages."""
+
+    prior: dict[int, float]
+    seconds: dict[int, float] = field(default_factory=dict)
+
+    @classmethod
+    def for_device(cls, device_type: str) -> CostModel:
+        return cls(GPU_PRIOR if device_type == "cuda" else CPU_PRIOR)
+
+    def observe(self, q: int, seconds: float) -> None:
+        b = _bucket(q)
+        old = self.seconds.get(b)
+        self.seconds[b] = seconds if old is None else old + _EMA * (seconds - old)
+
+    def relative(self, q: int) -> float:
+        """cost(q) / cost(1), measured where both were seen, else from the prior."""
+        b = min(_bucket(q), max(self.prior))
+        if b in self.seconds and 1 in self.seconds:
+            return max(self.seconds[b] / self.seconds[1], 1.0)
+        return self.prior[b]
+
+
+@dataclass
+class Calibration:
+    """Ratio of accepted draft tokens to the trie's predicted sum of probabilities."""
+
+    ratio: float = 1.0
+
+    def observe(self, predicted: float, accepted: int) -> None:
+        if predicted > 0:
+            sample = min(accepted / predicted, 2.0)
+            self.ratio = max(0.05, self.ratio + _EMA * (sample - self.ratio))
+
+
+def plan_step(drafts: list[Draft], adaptive: list[bool], cost: CostModel, calibration: Calibration, token_budget: int) -> list[Draft]:
+    """Trim the drafts of one batched step to the most cost-effective common width.
+
+    The batch is fed as k rows of q tokens (drafts padded to the widest), so a step costs
+    cost(k * q). For every q within the budget the expected yield is the sum over requests of
+    1 + c * (sum of its q - 1 most probable node probabilities); the q with the best yield per
+    cost wins, q = 1 being plain batched decoding. Requests that opted out of adaptivity keep
+    their whole draft (within the budget).
+    """
+    k = len(drafts)
+    widest = max(1, token_budget // k)
+    orders = [sorted(range(1, len(d)), key=lambda i, d=d: -d.probs[i]) for d in drafts]
+    forced = max((len(d) for d, a in zip(drafts, adaptive) if not a), default=1)
+    best_q, best_rate = 1, -1.0
+    for q in range(min(forced, widest), min(widest, max(len(d) for d in drafts)) + 1):
+        expected = k + calibration.ratio * sum(
+            sum(d.probs[i] for i in order[: q - 1]) for d, order in zip(drafts, orders)
+        )
+        rate = expected / cost.relative(k * q)
+        if rate > best_rate:
+            best_q, best_rate = q, rate
+    return [
+        d if len(d) <= best_q else d.subset(sorted([0, *order[: best_q - 1]]))
+        for d, order in zip(drafts, orders)
+    ]

@@ -1,0 +1,303 @@
+"""Lookahead decoding: retrieve a draft tree, verify it in one forward, keep what the model agrees with.
+
+One `Generation` per request holds its token history, its sampler and its own trie (prompt +
+its own output). The decoder holds what requests share: the model, the KV pool, the global trie
+that learns from every generated token, and the online cost model that decides how much
+drafting pays. `decoder.step(generations)` advances any number of requests with one forward:
+each contributes its root token and its draft tree, padded to a common width.
+
+    gen = decoder.start(prompt_ids, SamplingParams(max_tokens=64))
+    while not gen.finished:
+        out = gen.step()          # accepted token ids and the new text of this step
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers import DynamicCache
+
+from .adaptive import Calibration, CostModel, plan_step
+from .config import LookaheadConfig, SamplingParams
+from .detokenizer import Detokenizer
+from .draft import Draft
+from .kv_pool import KVPool
+from .retrieval import retrieve_draft
+from .sampling import TokenSelector
+from .trie import NGramTrie, TrieWriter
+from .verify import verify
+
+
+@dataclass
+class StepOutput:
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None  # None while running, else "stop", "length" or "cancelled"
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int
+    output_tokens: int = 0
+    steps: int = 0  # decoding forwards after the prefill
+    draft_tokens: int = 0  # draft tokens fed (roots excluded)
+    accepted_draft_tokens: int = 0
+    prefill_seconds: float = 0.0
+    forward_seconds: list[float] = field(default_factory=list)
+    retrieval_seconds: list[float] = field(default_factory=list)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_draft_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    @property
+    def tokens_per_step(self) -> float:
+        """Tokens emitted per decoding forward (1.0 for plain decoding)."""
+        return (self.output_tokens - 1) / self.steps if self.steps else 0.0
+
+
+class LookaheadDecoder:
+    """Shared state of all requests served by one model instance (owned by one thread).
+
+    step_token_budget: most tokens fed per batched forward (roots included); drafts shrink as
+    the batch grows. max_speculative_batch: above this many running requests, decode plainly.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        trie: NGramTrie | None = None,
+        config: LookaheadConfig = LookaheadConfig(),
+        eos_token_ids: Sequence[int] = (),
+        *,
+        step_token_budget: int = 128,
+        max_speculative_batch: int = 16,
+    ):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.trie = trie
+        self.config = config
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.step_token_budget = step_token_budget
+        self.max_speculative_batch = max_speculative_batch
+        self.device = next(model.parameters()).device
+        self.pool = KVPool()
+        self.cost = CostModel.for_device(self.device.type)
+        self.calibration = Calibration()
+
+    def start(
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams = SamplingParams(),
+        lookahead: LookaheadConfig | None = None,
+    ) -> Generation:
+        if not prompt_ids:
+            raise ValueError("the prompt must contain at least one token")
+        return Generation(self, list(prompt_ids), params, lookahead or self.config)
+
+    def stream(
+        self, prompt_ids: Sequence[int], params: SamplingParams = SamplingParams(), **kwargs: Any
+    ) -> Iterator[StepOutput]:
+        gen = self.start(prompt_ids, params, **kwargs)
+        try:
+            while not gen.finished:
+                yield gen.step()
+        finally:
+            gen.close()
+
+    def generate(
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams = SamplingParams(),
+        lookahead: LookaheadConfig | None = None,
+    ) -> tuple[list[int], GenerationStats]:
+        """Run one request to completion: (output ids, stats)."""
+        gen = self.start(prompt_ids, params, lookahead)
+        while not gen.finished:
+            gen.step()
+        return gen.output_ids, gen.stats
+
+    @torch.inference_mode()
+    def step(self, generations: Sequence[Generation]) -> list[StepOutput]:
+        """Advance every generation by one step: prefill the new ones, decode the rest together."""
+        if any(gen.finished for gen in generations):
+            raise RuntimeError("step() called on a finished or closed generation")
+        outputs = {id(gen): gen._prefill() for gen in generations if not gen.in_pool}
+        running = [gen for gen in generations if id(gen) not in outputs]
+        if running:
+            outputs.update(zip(map(id, running), self._decode(running)))
+        return [outputs[id(gen)] for gen in generations]
+
+    def _decode(self, gens: list[Generation]) -> list[StepOutput]:
+        drafts = [gen._retrieve() for gen in gens]
+        if len(gens) > self.max_speculative_batch:
+            drafts = [Draft.root_only(d.tokens[0]) for d in drafts]
+        drafts = plan_step(
+            drafts, [g.config.adaptive for g in gens], self.cost, self.calibration, self.step_token_budget
+        )
+        started = time.perf_counter()
+        self.pool.arrange(gens)
+        lengths = [len(gen.ids) - 1 for gen in gens]
+        logits = self._forward_drafts(drafts, lengths)
+        verdicts = [
+            verify(draft, logits[i, : len(draft)], torch.tensor(gen.ids, device=logits.device), gen.selector)
+            for i, (gen, draft) in enumerate(zip(gens, drafts))
+        ]
+        self.pool.compact(
+            [
+                (slot, length + node, length + 1 + depth)
+                for slot, (length, verdict) in enumerate(zip(lengths, verdicts))
+                for depth, node in enumerate(verdict.accepted_nodes)
+                if node != depth + 1
+            ]
+        )
+        elapsed = time.perf_counter() - started
+        width = max(len(d) for d in drafts)
+        self.cost.observe(len(gens) * width, elapsed)
+        outputs = []
+        for gen, draft, verdict in zip(gens, drafts, verdicts):
+            if len(draft) > 1:
+                self.calibration.observe(sum(draft.probs[1:]), len(verdict.accepted_nodes))
+            gen._record_step(elapsed, len(draft) - 1, len(verdict.accepted_nodes))
+            outputs.append(gen._commit(verdict.tokens))
+        return outputs
+
+    def _forward_drafts(self, drafts: list[Draft], lengths: list[int]) -> torch.Tensor:
+        """Logits [k, width, vocab]: request i's draft fed after its lengths[i] cached entries."""
+        k, width = len(drafts), max(len(d) for d in drafts)
+        read_length = max(lengths) + width
+        ids = torch.zeros(k, width, dtype=torch.long)
+        positions = torch.zeros(k, width, dtype=torch.long)
+        visible = torch.zeros(k, width, read_length, dtype=torch.bool)
+        for i, (draft, length) in enumerate(zip(drafts, lengths)):
+            n = len(draft)
+            ids[i, :n] = torch.tensor(draft.tokens)
+            positions[i, :n] = draft.position_ids(length)
+            visible[i, :n, :length] = True
+            visible[i, :n, length : length + n] = draft.ancestor_mask()
+            padding = torch.arange(n, width)
+            visible[i, padding, length + padding] = True  # padding rows see only themselves
+        dtype = self.model.dtype
+        mask = torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, torch.finfo(dtype).min)
+        cache = self.pool.step_cache(lengths, width)
+        out = self.model(
+            input_ids=ids.to(self.device),
+            position_ids=positions.to(self.device),
+            attention_mask=mask[:, None].to(self.device),
+            cache=cache,
+            use_cache=True,
+        )
+        return out.logits
+
+
+class Generation:
+    """One request: prefill on its first step, then one (possibly speculative) forward per step."""
+
+    def __init__(
+        self, decoder: LookaheadDecoder, prompt_ids: list[int], params: SamplingParams, config: LookaheadConfig
+    ):
+        self.decoder = decoder
+        self.params = params
+        self.config = config
+        self.ids = list(prompt_ids)
+        self.prompt_len = len(prompt_ids)
+        self.stats = GenerationStats(prompt_tokens=len(prompt_ids))
+        self.finish_reason: str | None = None
+        self.in_pool = False  # holds a KV pool slot (prefilled and not yet finished)
+        self.eos = frozenset() if params.ignore_eos else frozenset(decoder.eos_token_ids)
+        self.selector = TokenSelector(params, self.prompt_len, decoder.eos_token_ids, decoder.device)
+        self.detokenizer = Detokenizer(decoder.tokenizer, prompt_ids, params.stop)
+        self.local: NGramTrie | None = None
+        self.writers: list[TrieWriter] = []
+        if config.drafting:
+            depth = config.max_query_length + config.branch_length
+            self.local = NGramTrie(capacity=(self.prompt_len + params.max_tokens) * depth + 1, max_depth=depth)
+            self.writers.append(self.local.writer())
+            self.writers[-1].feed(prompt_ids)
+        if decoder.trie is not None:
+            # The shared trie learns outputs, keyed by the prompt's last tokens so that they can be queried.
+            self.writers.append(decoder.trie.writer())
+            self.writers[-1].feed(prompt_ids[max(0, self.prompt_len - config.max_query_length + 1) :])
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.ids[self.prompt_len :]
+
+    def step(self) -> StepOutput:
+        """Advance this generation alone (the engine batches through decoder.step)."""
+        return self.decoder.step([self])[0]
+
+    def close(self) -> None:
+        """Free the KV slot and the request's own trie (finished, cancelled or abandoned)."""
+        if self.in_pool:
+            self.decoder.pool.release(self)
+            self.in_pool = False
+        self.local, self.writers = None, []
+        if self.finish_reason is None:
+            self.finish_reason = "cancelled"
+
+    def _prefill(self) -> StepOutput:
+        started = time.perf_counter()
+        cache = DynamicCache()
+        out = self.decoder.model(
+            input_ids=torch.tensor([self.ids], device=self.decoder.device), cache=cache, use_cache=True, logits_to_keep=1
+        )
+        token = self.selector.select(torch.tensor(self.ids, device=self.decoder.device), out.logits[0, -1])
+        self.decoder.pool.admit(self, cache)
+        self.in_pool = True
+        self.stats.prefill_seconds = time.perf_counter() - started
+        return self._commit([token])
+
+    def _retrieve(self) -> Draft:
+        """The full draft this request would like to verify next (the batch plan may trim it)."""
+        root = self.ids[-1]
+        depth = min(self.config.branch_length, self.params.max_tokens - self.stats.output_tokens - 1)
+        if not self.config.drafting or depth <= 0:
+            return Draft.root_only(root)
+        started = time.perf_counter()
+        draft = retrieve_draft(
+            self.ids[-self.config.max_query_length :],
+            self.local,
+            self.decoder.trie,
+            decoding_length=self.config.decoding_length,
+            branch_length=depth,
+            mode=self.config.decoding_mode,
+            max_query_length=self.config.max_query_length,
+        )
+        self.stats.retrieval_seconds.append(time.perf_counter() - started)
+        return draft
+
+    def _record_step(self, seconds: float, fed: int, accepted: int) -> None:
+        self.stats.steps += 1
+        self.stats.forward_seconds.append(seconds)
+        self.stats.draft_tokens += fed
+        self.stats.accepted_draft_tokens += accepted
+
+    def _commit(self, tokens: list[int]) -> StepOutput:
+        """Append the step's tokens, applying length and EOS limits; feed the tries and the detokenizer."""
+        tokens = tokens[: self.params.max_tokens - self.stats.output_tokens]
+        hit_eos = next((i for i, t in enumerate(tokens) if t in self.eos), None)
+        if hit_eos is not None:
+            tokens = tokens[: hit_eos + 1]
+        self.ids.extend(tokens)
+        self.stats.output_tokens += len(tokens)
+        for writer in self.writers:
+            writer.feed(tokens[:hit_eos] if hit_eos is not None else tokens)
+        text = self.detokenizer.push(tokens)
+        if hit_eos is not None or self.detokenizer.stopped:
+            self.finish_reason = "stop"
+        elif self.stats.output_tokens >= self.params.max_tokens:
+            self.finish_reason = "length"
+        if self.finished:
+            text += self.detokenizer.flush()
+            self.close()
+        return StepOutput(tokens, text, self.finish_reason)

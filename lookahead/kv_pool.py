@@ -1,0 +1,126 @@
+"""The KV cache of every running request in one preallocated buffer, one slot (row) per request.
+
+A decoding step feeds k requests at once: request i's q new tokens are written at
+[len_i, len_i + q) of its own slot and attention reads slots [0, k) up to the longest length,
+so one forward serves the whole batch with no per-step copying of anyone's cache. Slots are
+kept in step order (a swap when membership changes), grown by doubling, and compacted in place
+after verification: the accepted draft entries move right behind the request's prefix.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import Cache, DynamicLayer
+
+_INITIAL_LENGTH = 256
+
+
+class _SlotLayer(DynamicLayer):
+    """What one attention layer sees during a pooled forward: write the new K/V, read the batch."""
+
+    def __init__(self, pool: KVPool, index: int):
+        super().__init__()
+        self.pool, self.index = pool, index
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        return self.pool.write_and_read(self.index, key_states, value_states)
+
+    def get_seq_length(self) -> int:
+        return self.pool.past_length
+
+
+class KVPool:
+    def __init__(self) -> None:
+        self.keys: list[torch.Tensor] = []  # per layer [slots, kv_heads, capacity, head_dim]
+        self.values: list[torch.Tensor] = []
+        self.owners: list[object | None] = []
+        self.past_length = 0
+        self._write: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._read_length = 0
+
+    @property
+    def capacity(self) -> int:
+        return self.keys[0].shape[2] if self.keys else 0
+
+    def admit(self, owner: object, cache: DynamicCache) -> None:
+        """Give `owner` a free slot holding the prefill KV in `cache`."""
+        length = cache.get_seq_length()
+        if not self.keys:
+            self._allocate(cache, slots=1, capacity=max(_INITIAL_LENGTH, _pow2(length)))
+        slot = next((i for i, o in enumerate(self.owners) if o is None), None)
+        if slot is None:
+            slot = len(self.owners)
+            self._resize(slots=slot + 1, capacity=self.capacity)
+        self.reserve(length)
+        for layer, source in enumerate(cache.layers):
+            self.keys[layer][slot, :, :length] = source.keys[0]
+            self.values[layer][slot, :, :length] = source.values[0]
+        self.owners[slot] = owner
+
+    def release(self, owner: object) -> None:
+        self.owners[self.owners.index(owner)] = None
+
+    def arrange(self, owners: list[object]) -> list[int]:
+        """Move `owners` into slots 0..k-1 in this order (swapping contents); return those slots."""
+        for position, owner in enumerate(owners):
+            current = self.owners.index(owner)
+            if current != position:
+                for buffers in (self.keys, self.values):
+                    for layer in buffers:
+                        layer[[position, current]] = layer[[current, position]]
+                self.owners[position], self.owners[current] = owner, self.owners[position]
+        return list(range(len(owners)))
+
+    def reserve(self, length: int) -> None:
+        """Make every slot able to hold `length` entries."""
+        if length > self.capacity:
+            self._resize(slots=len(self.owners), capacity=_pow2(length))
+
+    def step_cache(self, lengths: list[int], q: int) -> Cache:
+        """A cache for one forward of q tokens per slot 0..k-1, slot i writing at lengths[i]."""
+        device = self.keys[0].device
+        starts = torch.tensor(lengths, device=device)
+        batch = torch.arange(len(lengths), device=device)[:, None].expand(-1, q)
+        self._write = (batch, starts[:, None] + torch.arange(q, device=device))
+        self._read_length = max(lengths) + q
+        self.past_length = max(lengths)
+        self.reserve(self._read_length)
+        return Cache(layers=[_SlotLayer(self, i) for i in range(len(self.keys))])
+
+    def write_and_read(self, layer: int, keys: torch.Tensor, values: torch.Tensor):
+        batch, positions = self._write
+        k = keys.shape[0]
+        self.keys[layer][batch, :, positions] = keys.transpose(1, 2)
+        self.values[layer][batch, :, positions] = values.transpose(1, 2)
+        return self.keys[layer][:k, :, : self._read_length], self.values[layer][:k, :, : self._read_length]
+
+    def compact(self, moves: list[tuple[int, int, int]]) -> None:
+        """Copy entries (slot, source position, target position), all sources read before any write."""
+        if not moves:
+            return
+        slot, source, target = (torch.tensor(column, device=self.keys[0].device) for column in zip(*moves))
+        for buffers in (self.keys, self.values):
+            for layer in buffers:
+                layer[slot, :, target] = layer[slot, :, source]
+
+    def _allocate(self, cache: DynamicCache, slots: int, capacity: int) -> None:
+        for source in cache.layers:
+            _, heads, _, dim = source.keys.shape
+            self.keys.append(source.keys.new_zeros(slots, heads, capacity, dim))
+            self.values.append(source.values.new_zeros(slots, heads, capacity, dim))
+        self.owners = [None] * slots
+
+    def _resize(self, slots: int, capacity: int) -> None:
+        old_slots, old_capacity = len(self.owners), self.capacity
+        for buffers in (self.keys, self.values):
+            for i, old in enumerate(buffers):
+                new = old.new_zeros(slots, old.shape[1], capacity, old.shape[3])
+                new[:old_slots, :, :old_capacity] = old
+                buffers[i] = new
+        self.owners += [None] * (slots - old_slots)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())

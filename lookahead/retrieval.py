@@ -1,0 +1,236 @@
+"""Draft retrieval: the last few context tokens -> a draft tree read from two n-gram tries.
+
+`local` is the request's own trie (its prompt and its output so far), `shared` the instance's
+global trie. Both are read through one merged view: a merged node is a pair of node ids (either
+may be missing) and its children are the union, by token, of both nodes' children.
+
+Probability model. A child's conditional probability backs off from local to shared evidence:
+
+    p(t | u) = p_local(t) + escape_local * p_shared(t),   p_trie(t) = count(u.t) / (seen(u) + 1/L)
+
+seen(u) is the number of occurrences of u that were followed by something: the sum of its
+children's counts (count(u) when u has more than CHILD_LIMIT children). Occurrences with no
+continuation yet, like the context itself, which the decoder has already fed to both tries,
+say nothing about what comes next. L is the number of context tokens the estimate is
+conditioned on (the matched query plus the path below it): the 1/L smoothing makes a 1-token
+match weak evidence (one prior occurrence -> 0.5) and a 4-token match strong (-> 0.8).
+escape_local = 1 - sum of p_local over u's children. So the request's own evidence (copying
+from the prompt is the strongest signal) gets its share first and shared evidence fills what
+local evidence leaves open. We back off rather than rank by weighted counts (w_local·c_local +
+w_shared·c_shared) because with pooled counts a token seen 100,000 times globally drowns the
+request's own "after X comes Y" evidence, whatever the weights.
+
+A node's probability is the product of conditionals on its path: the root has 1.0, values never
+increase along a path, and the probabilities of one depth sum to at most 1, so sum(probs) - 1 is
+the expected number of accepted draft tokens if the estimates are right.
+
+`hier` selects nodes best-first by that probability: the top nodes of a tree whose values never
+increase downwards form a connected subtree, and they maximise the expected accepted tokens for
+the budget. Children are enumerated from each trie's most recently used end, at most
+CHILD_LIMIT per node, so one query costs O(budget) however large the tries are.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+
+from .config import DECODING_MODES
+from .draft import Draft
+from .trie import NO_NODE, NGramTrie
+
+CHILD_LIMIT = 8
+
+# A draft node while building: (token, parent index, probability, local node, shared node, depth).
+_Node = tuple[int, int, float, int, int, int]
+
+
+class _MergedView:
+    """Read-only union of the local and the shared trie."""
+
+    def __init__(self, local: NGramTrie | None, shared: NGramTrie | None) -> None:
+        self.local = local
+        self.shared = shared
+
+    def match(self, query: Sequence[int]) -> tuple[int, int]:
+        return (
+            self.local.match(query) if self.local is not None else NO_NODE,
+            self.shared.match(query) if self.shared is not None else NO_NODE,
+        )
+
+    def counts(self, local_node: int, shared_node: int) -> tuple[float, float]:
+        return (
+            self.local.count(local_node) if local_node != NO_NODE else 0.0,
+            self.shared.count(shared_node) if shared_node != NO_NODE else 0.0,
+        )
+
+    def continuations(
+        self, local_node: int, shared_node: int, context_len: int
+    ) -> list[tuple[float, int, int, int]]:
+        """(conditional probability, token, local child, shared child) for each child, most recent first."""
+        # token -> [local child, shared child, local probability, shared probability]
+        merged: dict[int, list] = {}
+        local_unlisted = shared_unlisted = None
+        if local_node != NO_NODE:
+            local_kids, local_unlisted = _conditionals(self.local, local_node, context_len)
+            for token, child, p_local in local_kids:
+                merged[token] = [child, NO_NODE, p_local, 0.0]
+        if shared_node != NO_NODE:
+            shared_kids, shared_unlisted = _conditionals(self.shared, shared_node, context_len)
+            for token, child, p_shared in shared_kids:
+                entry = merged.setdefault(token, [NO_NODE, NO_NODE, 0.0, 0.0])
+                entry[1], entry[3] = child, p_shared
+        for token, entry in merged.items():  # a child may lie past one trie's enumeration cap
+            if local_unlisted is not None and entry[0] == NO_NODE:
+                entry[0], entry[2] = _lookup(self.local, local_node, token, local_unlisted)
+            if shared_unlisted is not None and entry[1] == NO_NODE:
+                entry[1], entry[3] = _lookup(self.shared, shared_node, token, shared_unlisted)
+        escape = max(0.0, 1.0 - sum(entry[2] for entry in merged.values()))
+        return [
+            (min(1.0, p_local + escape * p_shared), token, local_child, shared_child)
+            for token, (local_child, shared_child, p_local, p_shared) in merged.items()
+        ]
+
+
+def _conditionals(
+    trie: NGramTrie, node: int, context_len: int
+) -> tuple[list[tuple[int, int, float]], float | None]:
+    """Up to CHILD_LIMIT (token, child, p_trie) of `node`, most recent first, and, when `node` has
+    more children than that, the denominator to price the unlisted ones with (else None)."""
+    kids = trie.children(node, CHILD_LIMIT + 1)
+    capped = len(kids) > CHILD_LIMIT
+    seen = trie.count(node) if capped else sum(count for _, _, count in kids)
+    denominator = seen + 1.0 / context_len
+    listed = [(token, child, count / denominator) for token, child, count in kids[:CHILD_LIMIT]]
+    return listed, denominator if capped else None
+
+
+def _lookup(trie: NGramTrie, node: int, token: int, denominator: float) -> tuple[int, float]:
+    child = trie.child(node, token)
+    return (child, trie.count(child) / denominator) if child != NO_NODE else (NO_NODE, 0.0)
+
+
+def retrieve_draft(
+    context: Sequence[int],
+    local: NGramTrie | None,
+    shared: NGramTrie | None,
+    *,
+    decoding_length: int,
+    branch_length: int,
+    mode: str = "hier",
+    max_query_length: int = 4,
+) -> Draft:
+    """The draft to verify after `context`: at most `decoding_length` nodes (root included), depth
+    at most `branch_length`, tokens[0] == context[-1]; the bare root when nothing matches.
+
+    The longest matching query (last k tokens, k <= max_query_length) is tried first; a shorter
+    one replaces it only if its draft has a larger expected number of accepted tokens.
+    """
+    if not context:
+        raise ValueError("context must hold at least the root token")
+    if mode not in DECODING_MODES:
+        raise ValueError(f"mode must be one of {', '.join(DECODING_MODES)}, got {mode!r}")
+    root = int(context[-1])
+    depth_limit = min(branch_length, decoding_length - 1)
+    if depth_limit <= 0 or (local is None and shared is None):
+        return Draft.root_only(root)
+    view = _MergedView(local, shared)
+    best = Draft.root_only(root)
+    best_value = 1.0
+    previous_counts = None
+    for query_len in range(min(max_query_length, len(context)), 0, -1):
+        query = context[-query_len:]
+        local_node, shared_node = view.match(query)
+        if local_node == NO_NODE and shared_node == NO_NODE:
+            continue
+        counts = view.counts(local_node, shared_node)
+        if counts == previous_counts:
+            continue  # every occurrence of this query extends the longer one: same evidence, less context
+        previous_counts = counts
+        start = (root, -1, 1.0, local_node, shared_node, 0)
+        if mode == "one":
+            nodes = _best_chain(view, start, query_len, depth_limit)
+        else:
+            nodes = _best_first(view, start, query_len, decoding_length, depth_limit)
+        value = sum(node[2] for node in nodes)
+        if value > best_value:
+            best, best_value = _layout(nodes, mode, decoding_length), value
+    return best
+
+
+def _best_first(
+    view: _MergedView, start: _Node, query_len: int, budget: int, depth_limit: int
+) -> list[_Node]:
+    """The `budget` most probable nodes of the matched subtree (root included), in selection order."""
+    selected: list[_Node] = []
+    frontier = [(-1.0, 0, start)]
+    pushed = 1
+    while frontier and len(selected) < budget:
+        _, _, node = heapq.heappop(frontier)
+        index = len(selected)
+        selected.append(node)
+        _, _, prob, local_node, shared_node, depth = node
+        if depth == depth_limit or len(selected) == budget:
+            continue
+        for conditional, token, local_child, shared_child in view.continuations(
+            local_node, shared_node, query_len + depth
+        ):
+            child_prob = prob * conditional
+            if child_prob > 0.0:
+                child = (token, index, child_prob, local_child, shared_child, depth + 1)
+                heapq.heappush(frontier, (-child_prob, pushed, child))
+                pushed += 1
+    return selected
+
+
+def _best_chain(view: _MergedView, start: _Node, query_len: int, depth_limit: int) -> list[_Node]:
+    """`one` mode: follow the most probable child at each level."""
+    chain = [start]
+    while chain[-1][5] < depth_limit:
+        _, _, prob, local_node, shared_node, depth = chain[-1]
+        options = view.continuations(local_node, shared_node, query_len + depth)
+        if not options:
+            break
+        conditional, token, local_child, shared_child = max(options, key=lambda option: option[0])
+        if conditional <= 0.0:
+            break
+        chain.append((token, len(chain) - 1, prob * conditional, local_child, shared_child, depth + 1))
+    return chain
+
+
+def _layout(nodes: list[_Node], mode: str, budget: int) -> Draft:
+    """DFS order with the most probable child first, so the best branch is nodes 1..m.
+
+    `par` re-emits every root-to-leaf path as its own chain under the root, within the budget.
+    """
+    children: list[list[int]] = [[] for _ in nodes]
+    for index, node in enumerate(nodes[1:], start=1):
+        children[node[1]].append(index)  # selection order is descending probability
+    order: list[int] = []
+    stack = [0]
+    while stack:
+        index = stack.pop()
+        order.append(index)
+        stack.extend(reversed(children[index]))
+    if mode != "par":
+        position = {index: new for new, index in enumerate(order)}
+        return Draft(
+            [nodes[i][0] for i in order],
+            [-1] + [position[nodes[i][1]] for i in order[1:]],
+            [nodes[i][2] for i in order],
+        )
+    tokens, parents, probs = [nodes[0][0]], [-1], [1.0]
+    for leaf in (i for i in order if not children[i] and i != 0):
+        path = []
+        while leaf != 0:
+            path.append(leaf)
+            leaf = nodes[leaf][1]
+        parent = 0
+        for index in reversed(path):
+            if len(tokens) == budget:
+                return Draft(tokens, parents, probs)
+            tokens.append(nodes[index][0])
+            parents.append(parent)
+            probs.append(nodes[index][2])
+            parent = len(tokens) - 1
+    return Draft(tokens, parents, probs)

@@ -1,0 +1,60 @@
+"""The draft-or-not decision: expected tokens per unit of forward cost."""
+
+from __future__ import annotations
+
+from lookahead.adaptive import CPU_PRIOR, GPU_PRIOR, Calibration, CostModel, plan_step
+from lookahead.draft import Draft
+
+
+def choose_draft(draft: Draft, cost: CostModel, calibration: Calibration) -> Draft:
+    """The plan for a batch of one request with a generous token budget."""
+    return plan_step([draft], [True], cost, calibration, token_budget=64)[0]
+
+
+def chain(probs: list[float]) -> Draft:
+    n = len(probs) + 1
+    return Draft(list(range(n)), [-1, *range(n - 1)], [1.0, *probs])
+
+
+def test_weak_draft_is_dropped_on_cpu_but_kept_on_gpu() -> None:
+    weak = chain([0.4, 0.2])  # 1.6 expected tokens for a ~1.9x forward on a CPU
+    assert len(choose_draft(weak, CostModel(CPU_PRIOR), Calibration())) == 1
+    assert len(choose_draft(weak, CostModel(GPU_PRIOR), Calibration())) == 3
+
+
+def test_confident_draft_is_kept_and_its_unlikely_tail_trimmed() -> None:
+    draft = Draft([9, 1, 2, 3, 4], [-1, 0, 1, 2, 0], [1.0, 0.95, 0.9, 0.85, 0.001])
+    chosen = choose_draft(draft, CostModel(CPU_PRIOR), Calibration())
+    assert chosen.tokens == [9, 1, 2, 3]
+    assert chosen.parents == [-1, 0, 1, 2]
+
+
+def test_measured_costs_replace_the_prior() -> None:
+    cost = CostModel(CPU_PRIOR)
+    for _ in range(3):
+        cost.observe(1, 0.10)
+        cost.observe(4, 0.11)
+    assert abs(cost.relative(3) - 1.1) < 1e-9  # 3 new tokens fall in the bucket of 4
+    assert len(choose_draft(chain([0.4, 0.2]), cost, Calibration())) == 3
+
+
+def test_calibration_learns_that_the_trie_is_overconfident() -> None:
+    calibration = Calibration()
+    for _ in range(50):
+        calibration.observe(predicted=4.0, accepted=0)
+    assert calibration.ratio < 0.1
+    assert len(choose_draft(chain([0.99] * 8), CostModel(CPU_PRIOR), calibration)) == 1
+
+
+def test_batch_shares_one_width_and_the_budget() -> None:
+    strong, weak = chain([0.95] * 6), chain([0.05] * 6)
+    plan = plan_step([strong, weak], [True, True], CostModel(GPU_PRIOR), Calibration(), token_budget=8)
+    assert [len(d) for d in plan] == [4, 4]  # 8 tokens for 2 requests: width 4 each
+    plan = plan_step([strong] * 4, [True] * 4, CostModel(CPU_PRIOR), Calibration(), token_budget=4)
+    assert [len(d) for d in plan] == [1] * 4  # budget of one token per request: plain decoding
+
+
+def test_a_request_that_opted_out_of_adaptivity_keeps_its_draft() -> None:
+    weak = chain([0.01] * 3)
+    plan = plan_step([weak, chain([0.01])], [False, True], CostModel(CPU_PRIOR), Calibration(), token_budget=64)
+    assert len(plan[0]) == 4
