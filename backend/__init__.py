@@ -1,0 +1,1 @@
+"""Triton Python backend: model entry point, request handling, engine thread, responses, metrics."""
