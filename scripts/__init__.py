@@ -1,0 +1,1 @@
+"""Command-line tools around the library: benchmarks and their prompt sets."""
