@@ -1,0 +1,296 @@
+"""Load test: perf_analyzer against the served `lookahead` and `baseline` models.
+
+For each model and each concurrency, perf_analyzer streams requests built from a bundled prompt
+set over gRPC (`--streaming`, the only way it drives decoupled models) and exports the send time
+of every request and the arrival time and outputs of every response. Those give what its own
+summary lacks for streaming LLMs: time to first token, and output tokens/s from the
+`num_output_tokens` deltas. Prompts are sent as raw text (the server applies no chat template);
+every request generates exactly --max-tokens tokens (ignore_eos), so both models do equal work.
+The lookahead model's global trie keeps what it learned in earlier runs (its snapshot under
+trie_state_dir), so repeating a run on the same prompts measures a warmer trie.
+
+    python -m scripts.load_test                     # against a server on localhost:8001
+    python -m scripts.load_test --start-server      # start one on free ports for the run
+    python -m scripts.load_test --quick             # a short smoke run (used by the tests)
+
+Writes load_test.md (the table), load_test.csv, load_test.png and the raw profile exports
+into --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import subprocess
+import sys
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from backend.launcher import TritonServerError, free_port, start_server
+from scripts.prompt_sets import PROMPT_SET_NAMES, load_prompt_set, write_perf_analyzer_input
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+PERF_ANALYZER = REPO_ROOT / "scripts" / "perf_analyzer.sh"
+MODELS = ("lookahead", "baseline")
+# --quick: enough to see every model answer under concurrent load, short enough for a test.
+QUICK = {"concurrency": (1, 2), "prompts": 4, "max_tokens": 8, "request_count": 2}
+NS_PER_S = 1e9
+
+
+class LoadTestError(RuntimeError):
+    """perf_analyzer failed, or its export lacks what the summary needs."""
+
+
+@dataclass(frozen=True)
+class LoadPoint:
+    """One model at one concurrency, summarised from perf_analyzer's per-response timestamps."""
+
+    model: str
+    concurrency: int
+    requests: int
+    seconds: float  # first request sent -> last response received
+    output_tokens: int
+    requests_per_second: float
+    output_tokens_per_second: float
+    latency_p50_ms: float
+    latency_p99_ms: float
+    ttft_p50_ms: float
+    ttft_p99_ms: float
+
+
+def summarize_experiment(model: str, experiment: dict[str, Any]) -> LoadPoint:
+    """Summarise one entry of a profile export's `experiments` (a concurrency level)."""
+    concurrency = int(experiment["experiment"]["value"])
+    requests = [r for r in experiment["requests"] if r["response_timestamps"]]
+    if not requests:
+        raise LoadTestError(f"{model} at concurrency {concurrency}: no request received a response")
+    sent = np.array([r["timestamp"] for r in requests], dtype=np.int64)
+    first = np.array([r["response_timestamps"][0] for r in requests], dtype=np.int64)
+    last = np.array([r["response_timestamps"][-1] for r in requests], dtype=np.int64)
+    output_tokens = sum(_output_tokens(request, model) for request in requests)
+    seconds = float(last.max() - sent.min()) / NS_PER_S
+    latency_ms = (last - sent) / 1e6
+    ttft_ms = (first - sent) / 1e6
+    return LoadPoint(
+        model=model,
+        concurrency=concurrency,
+        requests=len(requests),
+        seconds=seconds,
+        output_tokens=output_tokens,
+        requests_per_second=len(requests) / seconds,
+        output_tokens_per_second=output_tokens / seconds,
+        latency_p50_ms=float(np.percentile(latency_ms, 50)),
+        latency_p99_ms=float(np.percentile(latency_ms, 99)),
+        ttft_p50_ms=float(np.percentile(ttft_ms, 50)),
+        ttft_p99_ms=float(np.percentile(ttft_ms, 99)),
+    )
+
+
+def _output_tokens(request: dict[str, Any], model: str) -> int:
+    # perf_analyzer exports every output the model declares, with garbage for those a response
+    # lacks, so the count is trusted only when the request asked for it.
+    if not request["request_inputs"].get("return_num_output_tokens"):
+        raise LoadTestError(
+            f"{model}: requests did not set return_num_output_tokens, so responses carry no token counts"
+        )
+    return int(sum(output["num_output_tokens"] for output in request["response_outputs"]))
+
+
+def summarize_profile(model: str, profile: dict[str, Any]) -> list[LoadPoint]:
+    return [summarize_experiment(model, experiment) for experiment in profile["experiments"]]
+
+
+def write_input_data(prompt_set: str, prompts: int, max_tokens: int, path: Path) -> Path:
+    """perf_analyzer --input-data from a bundled prompt set, asking for per-response token counts."""
+    write_perf_analyzer_input(load_prompt_set(prompt_set, prompts).prompts, path, max_tokens)
+    data = json.loads(path.read_text(encoding="utf-8"))
+    for entry in data["data"]:
+        entry["return_num_output_tokens"] = [True]
+    path.write_text(json.dumps(data, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+    return path
+
+
+def perf_analyzer_command(
+    perf_analyzer: Path, model: str, url: str, concurrency: int, input_data: Path, export: Path, requests: int
+) -> list[str]:
+    """Exactly `requests` requests in one count window: a long generation can never fall outside a
+    time window (server#4530), and there is no stability loop to re-run a slow model for."""
+    return [
+        str(perf_analyzer),
+        "-m",
+        model,
+        "-i",
+        "grpc",
+        "--streaming",
+        "-u",
+        url,
+        f"--concurrency-range={concurrency}:{concurrency}",
+        f"--input-data={input_data}",
+        "--measurement-mode=count_windows",
+        f"--request-count={requests}",
+        f"--profile-export-file={export}",
+    ]
+
+
+def request_count(concurrency: int, minimum: int) -> int:
+    """At least two requests per concurrent slot, so the load is held for a while."""
+    return max(minimum, 2 * concurrency)
+
+
+def run_point(
+    args: argparse.Namespace, model: str, url: str, concurrency: int, input_data: Path
+) -> LoadPoint:
+    export = args.out / f"profile_{model}_c{concurrency}.json"
+    requests = request_count(concurrency, args.request_count)
+    command = perf_analyzer_command(args.perf_analyzer, model, url, concurrency, input_data, export, requests)
+    print(f"{model}, concurrency {concurrency}, {requests} requests", flush=True)
+    finished = subprocess.run(command, capture_output=True, text=True)
+    log = args.out / f"perf_analyzer_{model}_c{concurrency}.log"
+    log.write_text(" ".join(command) + "\n" + finished.stdout + finished.stderr, encoding="utf-8")
+    if finished.returncode != 0:
+        tail = "\n".join((finished.stdout + finished.stderr).splitlines()[-15:])
+        raise LoadTestError(f"perf_analyzer exited with {finished.returncode} (log {log}):\n{tail}")
+    (point,) = summarize_profile(model, json.loads(export.read_text(encoding="utf-8")))
+    return point
+
+
+def format_table(points: Sequence[LoadPoint]) -> str:
+    """A Markdown table, readable as plain text too."""
+    header = (
+        "| model | concurrency | requests | requests/s | output tokens/s "
+        "| latency p50 (ms) | latency p99 (ms) | TTFT p50 (ms) | TTFT p99 (ms) |"
+    )
+    lines = [header, "|---" * 9 + "|"]
+    for p in points:
+        lines.append(
+            f"| {p.model} | {p.concurrency} | {p.requests} | {p.requests_per_second:.2f} "
+            f"| {p.output_tokens_per_second:.1f} | {p.latency_p50_ms:.0f} | {p.latency_p99_ms:.0f} "
+            f"| {p.ttft_p50_ms:.0f} | {p.ttft_p99_ms:.0f} |"
+        )
+    return "\n".join(lines)
+
+
+def write_csv(points: Sequence[LoadPoint], path: Path) -> None:
+    with open(path, "w", newline="", encoding="utf-8") as file:
+        writer = csv.DictWriter(file, fieldnames=[f.name for f in fields(LoadPoint)])
+        writer.writeheader()
+        writer.writerows(asdict(point) for point in points)
+
+
+def plot(points: Sequence[LoadPoint], path: Path, title: str) -> None:
+    """Throughput and latency against concurrency, one line per model."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    levels = sorted({p.concurrency for p in points})
+    figure, (throughput, latency) = plt.subplots(1, 2, figsize=(10, 4))
+    for model in dict.fromkeys(p.model for p in points):
+        mine = sorted((p for p in points if p.model == model), key=lambda p: p.concurrency)
+        x = [p.concurrency for p in mine]
+        throughput.plot(x, [p.output_tokens_per_second for p in mine], marker="o", label=model)
+        line = latency.plot(x, [p.latency_p50_ms for p in mine], marker="o", label=f"{model} latency p50")
+        latency.plot(
+            x,
+            [p.ttft_p50_ms for p in mine],
+            marker="s",
+            linestyle="--",
+            color=line[0].get_color(),
+            label=f"{model} TTFT p50",
+        )
+    for axes in (throughput, latency):
+        axes.set_xlabel("concurrent requests")
+        axes.set_xscale("log", base=2)
+        axes.set_xticks(levels, [str(level) for level in levels])
+        axes.set_ylim(bottom=0)
+        axes.legend(fontsize=8)
+        axes.grid(alpha=0.3)
+    throughput.set_ylabel("output tokens/s")
+    latency.set_ylabel("ms")
+    figure.suptitle(title, fontsize=9)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+@contextmanager
+def server_url(args: argparse.Namespace) -> Iterator[str]:
+    """The gRPC URL to load: the given one, or that of a server started for this run."""
+    if not args.start_server:
+        yield args.url
+        return
+    print(f"starting tritonserver on {args.model_repository} (log {args.out / 'server.log'})", flush=True)
+    with start_server(
+        args.model_repository,
+        http_port=free_port(),
+        grpc_port=free_port(),
+        metrics_port=free_port(),
+        log_file=args.out / "server.log",
+    ) as server:
+        yield server.grpc_url
+
+
+def parse_concurrency(text: str) -> tuple[int, ...]:
+    levels = tuple(int(part) for part in text.split(",") if part.strip())
+    if not levels or min(levels) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers separated by commas, got {text!r}")
+    return levels
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--url", default="localhost:8001", help="gRPC host:port of a running server")
+    parser.add_argument("--start-server", action="store_true", help="start tritonserver for the run")
+    parser.add_argument("--model-repository", type=Path, default=REPO_ROOT / "model_repository")
+    parser.add_argument("--models", nargs="+", default=list(MODELS))
+    parser.add_argument("--concurrency", type=parse_concurrency, default=(1, 2, 4, 8), help="e.g. 1,2,4,8")
+    parser.add_argument("--prompt-set", default="humaneval", choices=PROMPT_SET_NAMES)
+    parser.add_argument("--prompts", type=int, default=32, help="first N prompts of the set")
+    parser.add_argument("--max-tokens", type=int, default=128, help="tokens generated per request")
+    parser.add_argument(
+        "--request-count", type=int, default=16, help="requests per point (at least 2 x concurrency)"
+    )
+    parser.add_argument("--perf-analyzer", type=Path, default=PERF_ANALYZER, help="perf_analyzer to run")
+    parser.add_argument("--quick", action="store_true", help=", ".join(f"{k} {v}" for k, v in QUICK.items()))
+    parser.add_argument("--out", type=Path, default=Path("results/load_test"))
+    args = parser.parse_args(argv)
+    if args.quick:
+        for name, value in QUICK.items():
+            setattr(args, name, value)
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    input_data = write_input_data(
+        args.prompt_set, args.prompts, args.max_tokens, args.out / "input_data.json"
+    )
+    points: list[LoadPoint] = []
+    try:
+        with server_url(args) as url:
+            for model in args.models:
+                for concurrency in args.concurrency:
+                    points.append(run_point(args, model, url, concurrency, input_data))
+    except (LoadTestError, TritonServerError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    table = format_table(points)
+    print(table)
+    title = f"{args.prompt_set}, {args.prompts} prompts, {args.max_tokens} tokens per request"
+    (args.out / "load_test.md").write_text(f"# Load test: {title}\n\n{table}\n", encoding="utf-8")
+    write_csv(points, args.out / "load_test.csv")
+    plot(points, args.out / "load_test.png", title)
+    print(f"wrote {args.out / 'load_test.md'}, load_test.csv and load_test.png")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
