@@ -1,0 +1,161 @@
+"""Custom Prometheus metrics, shown on the server's metrics port next to nv_inference_*.
+
+Names mirror the vLLM backend's families under a `lookahead_` prefix, plus what speculation
+adds: draft tokens fed and accepted, and the global trie's size. Every metric call is an IPC
+round trip to the server, so updates are queued and applied by one thread of their own, never
+by the engine thread (vLLM backend PR #66).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import traceback
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
+
+import triton_python_backend_utils as pb_utils
+
+from .engine import Log, Update
+
+# Upper bounds in seconds; a CPU instance answers slower than vLLM's GPU-sized buckets assume.
+TTFT_BUCKETS = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0]
+TPOT_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5]
+E2E_BUCKETS = [0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 60.0, 120.0, 300.0, 600.0]
+
+# key -> (family name, description, MetricFamily kind, histogram buckets)
+FAMILIES: dict[str, tuple[str, str, str, list[float] | None]] = {
+    "ttft": (
+        "lookahead_time_to_first_token_seconds",
+        "Time to first token in seconds.",
+        "HISTOGRAM",
+        TTFT_BUCKETS,
+    ),
+    "tpot": (
+        "lookahead_time_per_output_token_seconds",
+        "Mean time per output token after the first, per request, in seconds.",
+        "HISTOGRAM",
+        TPOT_BUCKETS,
+    ),
+    "e2e": (
+        "lookahead_e2e_request_latency_seconds",
+        "End-to-end latency of finished requests in seconds.",
+        "HISTOGRAM",
+        E2E_BUCKETS,
+    ),
+    "prompt_tokens": ("lookahead_prompt_tokens_total", "Prompt tokens processed.", "COUNTER", None),
+    "generation_tokens": ("lookahead_generation_tokens_total", "Tokens generated.", "COUNTER", None),
+    "draft_tokens": (
+        "lookahead_draft_tokens_total",
+        "Draft tokens fed to the model for verification.",
+        "COUNTER",
+        None,
+    ),
+    "accepted_draft_tokens": (
+        "lookahead_accepted_draft_tokens_total",
+        "Draft tokens the model accepted.",
+        "COUNTER",
+        None,
+    ),
+    "trie_nodes": ("lookahead_trie_nodes", "Nodes in the instance's global n-gram trie.", "GAUGE", None),
+    "trie_bytes": ("lookahead_trie_bytes", "Estimated bytes held by the global n-gram trie.", "GAUGE", None),
+}
+
+
+@dataclass(frozen=True)
+class RequestRecord:
+    """What one request contributes; latencies are None unless it finished normally."""
+
+    prompt_tokens: int
+    generation_tokens: int
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
+    time_to_first_token_s: float | None = None
+    time_per_output_token_s: float | None = None
+    e2e_latency_s: float | None = None
+
+    @classmethod
+    def of(cls, update: Update) -> RequestRecord | None:
+        """The record of a request's final update; None for one that never started generating."""
+        state, stats = update.state, update.stats
+        if stats is None:
+            return None
+        record = cls(
+            stats.prompt_tokens, stats.output_tokens, stats.draft_tokens, stats.accepted_draft_tokens
+        )
+        if update.failure is not None or state.first_output_time is None:
+            return record
+        later_tokens = stats.output_tokens - 1
+        decode_time = state.finish_time - state.first_output_time
+        return replace(
+            record,
+            time_to_first_token_s=state.first_output_time - state.arrival,
+            time_per_output_token_s=decode_time / later_tokens if later_tokens > 0 else None,
+            e2e_latency_s=state.finish_time - state.arrival,
+        )
+
+
+class LookaheadMetrics:
+    """The metric families of one model instance and the thread that updates them."""
+
+    def __init__(self, labels: Mapping[str, str], log: Log):
+        self.log = log
+        self.families: dict[str, pb_utils.MetricFamily] = {}
+        self.metrics: dict[str, pb_utils.Metric] = {}
+        for key, (name, description, kind, buckets) in FAMILIES.items():
+            family = pb_utils.MetricFamily(
+                name=name, description=description, kind=getattr(pb_utils.MetricFamily, kind)
+            )
+            self.families[key] = family
+            extra = {"buckets": buckets} if buckets else {}
+            self.metrics[key] = family.Metric(labels=dict(labels), **extra)
+        self.queue: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._run, name="lookahead-metrics", daemon=True)
+        self.thread.start()
+
+    @classmethod
+    def create(cls, labels: Mapping[str, str], log: Log) -> LookaheadMetrics | None:
+        """The metrics, or None when the server runs with --allow-metrics=false."""
+        try:
+            return cls(labels, log)
+        except pb_utils.TritonModelException as error:
+            if "metrics not supported" not in str(error).lower():
+                raise
+            log.log_info("Custom metrics are not supported by this server (--allow-metrics=false)")
+            return None
+
+    def request_finished(self, update: Update) -> None:
+        """Count a request's final update (called from the response thread; never blocks)."""
+        record = RequestRecord.of(update)
+        if record is not None:
+            self.queue.put(lambda: self._record(record))
+
+    def trie_size(self, nodes: int, byte_estimate: int) -> None:
+        self.queue.put(
+            lambda: (self.metrics["trie_nodes"].set(nodes), self.metrics["trie_bytes"].set(byte_estimate))
+        )
+
+    def close(self) -> None:
+        """Apply what is queued, end the thread, and drop the metrics before their families."""
+        self.queue.put(None)
+        self.thread.join()
+        self.metrics.clear()
+        self.families.clear()
+
+    def _record(self, record: RequestRecord) -> None:
+        for key in ("prompt_tokens", "generation_tokens", "draft_tokens", "accepted_draft_tokens"):
+            self.metrics[key].increment(getattr(record, key))
+        for key, value in (
+            ("ttft", record.time_to_first_token_s),
+            ("tpot", record.time_per_output_token_s),
+            ("e2e", record.e2e_latency_s),
+        ):
+            if value is not None:
+                self.metrics[key].observe(value)
+
+    def _run(self) -> None:
+        while (update := self.queue.get()) is not None:
+            try:
+                update()
+            except Exception:  # a failed metric update must never affect serving
+                self.log.log_error(f"Metric update failed: {traceback.format_exc()}")

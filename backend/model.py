@@ -1,0 +1,194 @@
+"""TritonPythonModel: the Triton entry points, wiring config, requests, engine and responses.
+
+Each model's `1/model.py` re-exports this class, so every model in the repository runs the
+same code and differs only in its config.pbtxt `parameters`. Three threads per instance:
+Triton's, which only validates and enqueues (`execute` returns None at once); the engine
+thread, the only one touching the model; and the response thread, the only one calling a
+response sender. A metrics thread applies Prometheus updates when they are enabled.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import re
+import traceback
+import uuid
+from typing import Any
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from lookahead.decoder import LookaheadDecoder
+from lookahead.models import check_tree_attention, load_model
+from lookahead.persistence import load_trie
+from lookahead.warmup import warm_up
+
+from .config import BackendConfig
+from .engine import Engine, FailureCode, RequestState, TrieSnapshots, Update
+from .metrics import LookaheadMetrics
+from .request import RequestError, RequestLimits, parse_request
+from .responses import ResponseLoop
+
+ENGINE_STOPPED = "the engine thread has stopped (see the server log); reload the model"
+
+# The vLLM backend's tensor contract (TRITON.md section 2) plus TensorRT-LLM's speculative stats.
+INPUTS = [
+    {"name": "text_input", "data_type": "TYPE_STRING", "dims": [1]},
+    {"name": "stream", "data_type": "TYPE_BOOL", "dims": [1], "optional": True},
+    {"name": "sampling_parameters", "data_type": "TYPE_STRING", "dims": [1], "optional": True},
+    {"name": "exclude_input_in_output", "data_type": "TYPE_BOOL", "dims": [1], "optional": True},
+    {"name": "return_finish_reason", "data_type": "TYPE_BOOL", "dims": [1], "optional": True},
+    {"name": "return_num_input_tokens", "data_type": "TYPE_BOOL", "dims": [1], "optional": True},
+    {"name": "return_num_output_tokens", "data_type": "TYPE_BOOL", "dims": [1], "optional": True},
+    {"name": "return_perf_metrics", "data_type": "TYPE_BOOL", "dims": [1], "optional": True},
+]
+OUTPUTS = [
+    {"name": "text_output", "data_type": "TYPE_STRING", "dims": [-1]},
+    {"name": "finish_reason", "data_type": "TYPE_STRING", "dims": [-1]},
+    {"name": "num_input_tokens", "data_type": "TYPE_UINT32", "dims": [1]},
+    {"name": "num_output_tokens", "data_type": "TYPE_UINT32", "dims": [-1]},
+    {"name": "total_draft_tokens", "data_type": "TYPE_INT32", "dims": [1]},
+    {"name": "total_accepted_draft_tokens", "data_type": "TYPE_INT32", "dims": [1]},
+    {"name": "num_decoding_steps", "data_type": "TYPE_INT32", "dims": [1]},
+    {"name": "acceptance_rate", "data_type": "TYPE_FP32", "dims": [1]},
+]
+
+
+class TritonInputs:
+    """The RequestInputs view of a pb_utils.InferenceRequest."""
+
+    def __init__(self, request: Any):
+        self.request = request
+
+    def tensor(self, name: str) -> np.ndarray | None:
+        tensor = pb_utils.get_input_tensor_by_name(self.request, name)
+        return None if tensor is None else tensor.as_numpy()
+
+    def parameters(self) -> dict[str, Any]:
+        raw = self.request.parameters()
+        try:
+            parameters = json.loads(raw) if raw else {}
+        except json.JSONDecodeError as error:
+            raise RequestError(f"request parameters are not valid JSON: {error}") from None
+        return parameters if isinstance(parameters, dict) else {}
+
+
+class TritonPythonModel:
+    @classmethod
+    def auto_complete_config(cls, auto_complete_model_config: Any) -> Any:
+        """Add the tensors a config.pbtxt leaves out; what the user declared wins."""
+        config = auto_complete_model_config.as_dict()
+        declared_inputs = {tensor["name"] for tensor in config.get("input", [])}
+        declared_outputs = {tensor["name"] for tensor in config.get("output", [])}
+        for tensor in INPUTS:
+            if tensor["name"] not in declared_inputs:
+                auto_complete_model_config.add_input(tensor)
+        for tensor in OUTPUTS:
+            if tensor["name"] not in declared_outputs:
+                auto_complete_model_config.add_output(tensor)
+        # Decoupled: one request streams many responses and execute() returns before they exist.
+        auto_complete_model_config.set_model_transaction_policy({"decoupled": True})
+        # The engine interleaves requests itself; Triton must not batch tensors.
+        auto_complete_model_config.set_max_batch_size(0)
+        return auto_complete_model_config
+
+    def initialize(self, args: dict[str, str]) -> None:
+        self.logger = pb_utils.Logger
+        model_config = json.loads(args["model_config"])
+        if not pb_utils.using_decoupled_model_transaction_policy(model_config):
+            raise pb_utils.TritonModelException(
+                f"model {args['model_name']!r} needs model_transaction_policy {{ decoupled: true }}"
+            )
+        config = BackendConfig.from_triton_args(args)
+        if config.ignored_parameters:
+            self.logger.log_warn(
+                f"Ignoring unknown config.pbtxt parameters: {', '.join(config.ignored_parameters)}"
+            )
+
+        loaded = load_model(
+            config.model, dtype=config.dtype, device=config.device, threads=config.threads or None
+        )
+        snapshots = None
+        if config.lookahead.use_lookahead:
+            check_tree_attention(loaded.model)  # refuse a model whose tree verification is not lossless
+            snapshots = self._open_trie(config, args["model_instance_name"], loaded)
+        decoder = LookaheadDecoder(
+            loaded.model,
+            loaded.tokenizer,
+            snapshots.trie if snapshots else None,
+            config.lookahead,
+            loaded.eos_token_ids,
+        )
+        self.tokenize = loaded.tokenizer.encode
+        self.limits = RequestLimits(config.lookahead, config.max_prompt_tokens, config.max_output_tokens)
+
+        self.metrics = None
+        if config.report_custom_metrics:
+            labels = {"model": args["model_name"], "version": args["model_version"]}
+            self.metrics = LookaheadMetrics.create(labels, self.logger)
+        if self.metrics is not None and snapshots is not None:
+            self.metrics.trie_size(snapshots.trie.node_count, snapshots.trie.byte_estimate)
+        self.responses = ResponseLoop(self.logger, on_final=self._on_final)
+        self.engine = Engine(
+            decoder,
+            emit=self.responses.put,
+            log=self.logger,
+            snapshots=snapshots,
+            on_trie_size=self.metrics.trie_size if self.metrics else None,
+        )
+        self.responses.start()
+        self.engine.start()
+        self.logger.log_info(
+            f"{args['model_instance_name']}: serving {loaded.name} on {config.device} ({config.dtype}), "
+            f"{config.lookahead}, trie {snapshots.trie.node_count if snapshots else 0} nodes"
+        )
+
+    def execute(self, requests: list[Any]) -> None:
+        """Validate and enqueue; every response is sent later by the response thread."""
+        for request in requests:
+            state = RequestState(
+                id=request.request_id() or uuid.uuid4().hex, sender=request.get_response_sender()
+            )
+            if not self.engine.running:
+                self.responses.put(Update.failed(state, FailureCode.UNAVAILABLE, ENGINE_STOPPED))
+                continue
+            try:
+                state.request = parse_request(TritonInputs(request), self.limits, self.tokenize)
+            except RequestError as error:
+                self.responses.put(Update.failed(state, FailureCode.INVALID_ARG, str(error)))
+                continue
+            except Exception as error:  # still exactly one FINAL for this request
+                self.logger.log_error(f"Error reading request {state.id}: {traceback.format_exc()}")
+                self.responses.put(
+                    Update.failed(state, FailureCode.INTERNAL, f"Error reading the request: {error}")
+                )
+                continue
+            self.responses.watch(state)
+            self.engine.submit(state)
+        return None
+
+    def finalize(self) -> None:
+        """Stop the engine (it answers what is left and takes a last snapshot), then the senders."""
+        self.engine.stop()
+        self.responses.stop()
+        if self.metrics is not None:
+            self.metrics.close()
+        gc.collect()
+
+    def _on_final(self, update: Update) -> None:
+        if self.metrics is not None:
+            self.metrics.request_finished(update)
+
+    def _open_trie(self, config: BackendConfig, instance_name: str, loaded: Any) -> TrieSnapshots:
+        """This instance's global trie: its last snapshot, else the warm-up corpus, else empty."""
+        path = config.trie_state_dir / f"{re.sub(r'[^A-Za-z0-9_.-]', '_', instance_name)}.trie"
+        trie = load_trie(
+            path, capacity=config.trie_capacity, max_depth=config.trie_depth, fingerprint=loaded.fingerprint
+        )
+        snapshots = TrieSnapshots(trie, path, loaded.fingerprint, config.snapshot_interval_s, self.logger)
+        if trie.node_count == 0 and config.warmup_corpus is not None:
+            warm_up(trie, config.warmup_corpus, loaded.tokenizer, progress=False)
+            snapshots.mark_changed()
+        self.logger.log_info(f"Trie for {instance_name}: {path} ({trie.node_count} nodes)")
+        return snapshots
