@@ -36,6 +36,8 @@ class BackendConfig:
     device: str
     threads: int
     lookahead: LookaheadConfig
+    step_token_budget: int
+    max_speculative_batch: int
     trie_capacity: int
     trie_state_dir: Path
     snapshot_interval_s: float
@@ -99,7 +101,7 @@ def parse_parameters(
         lookahead = LookaheadConfig(**lookahead_fields)
     except ValueError as error:
         raise ValueError(f"config.pbtxt parameter {_field_in(error, lookahead_fields)!r}: {error}") from None
-    trie_capacity = read("trie_capacity", _int(minimum=1), 200_000)
+    trie_capacity = read("trie_capacity", _int(minimum=1), 1_000_000)
     depth = lookahead.max_query_length + lookahead.branch_length
     if trie_capacity < depth:
         raise ValueError(
@@ -112,6 +114,8 @@ def parse_parameters(
         device=read("device", _device, f"cuda:{instance_device_id}" if instance_kind == "GPU" else "cpu"),
         threads=read("threads", _int(minimum=0), 0),  # 0: torch's default
         lookahead=lookahead,
+        step_token_budget=read("step_token_budget", _int(minimum=1), 128),
+        max_speculative_batch=read("max_speculative_batch", _int(minimum=0), 16),
         trie_capacity=trie_capacity,
         trie_state_dir=state_dir,
         snapshot_interval_s=read("snapshot_interval_s", _float(minimum=0.0), 60.0),

@@ -1,10 +1,11 @@
 """The engine thread: the only thread that touches the model, the decoder and the global trie.
 
-`execute` hands validated requests over through a queue and returns at once. The engine thread
-round-robins one `Generation.step()` over every in-flight request, so a long generation never
-keeps a short one from starting, and it turns each step into an `Update` for the response
-thread; it never blocks on IPC itself. Between rounds it snapshots the global trie, so a
-snapshot never sees a half-applied step.
+`execute` hands validated requests over through a queue and returns at once. The engine
+thread advances every in-flight request with one batched `LookaheadDecoder.step()` per
+iteration (continuous batching: requests join and leave between steps, a new one is prefilled
+in the iteration it arrives), so a long generation never keeps a short one from starting. It
+turns each step into an `Update` for the response thread; it never blocks on IPC itself.
+Between steps it snapshots the global trie, so a snapshot never sees a half-applied step.
 """
 
 from __future__ import annotations
@@ -120,7 +121,7 @@ class TrieSnapshots:
 
 
 class Engine:
-    """Owns the decoder; steps every in-flight generation in turn on one thread."""
+    """Owns the decoder; steps all in-flight generations together on one thread."""
 
     def __init__(
         self,
@@ -159,8 +160,7 @@ class Engine:
     def _run(self) -> None:
         try:
             while self._admit():
-                for state in list(self.active):
-                    self._advance(state)
+                self._advance()
                 if self.snapshots is not None:
                     self.snapshots.maybe_save()
         except BaseException:
@@ -198,32 +198,45 @@ class Engine:
             return None
         return max(0.01, self.snapshots.last_save + self.snapshots.interval_s - time.monotonic())
 
-    def _advance(self, state: RequestState) -> None:
-        """One step of one request, or its end when it was cancelled."""
-        if state.cancelled:
+    def _advance(self) -> None:
+        """One batched step of every running request; cancelled ones end first."""
+        for state in [s for s in self.active if s.cancelled]:
             self.log.log_info(f"Cancelling request {state.id}")
             self._finish(state, Update.failed(state, FailureCode.CANCELLED, "Request was cancelled"))
+        for state in [s for s in self.active if s.generation is None]:
+            request = state.request
+            try:
+                state.generation = self.decoder.start(request.prompt_ids, request.sampling, request.lookahead)
+            except Exception as error:
+                self._fail(state, error)
+        running = list(self.active)
+        if not running:
             return
-        request = state.request
         try:
-            if state.generation is None:
-                state.generation = self.decoder.start(
-                    request.prompt_ids, request.sampling, lookahead=request.lookahead
-                )
-            output = state.generation.step()
-        except Exception as error:  # one broken request must not stop the others
-            self.log.log_error(f"Error generating request {state.id}: {traceback.format_exc()}")
-            self._finish(state, Update.failed(state, FailureCode.INTERNAL, f"Error generating text: {error}"))
-            return
+            outputs = self.decoder.step([state.generation for state in running])
+        except Exception:  # find the request that broke the batch; the others carry on alone
+            outputs = []
+            for state in list(running):
+                try:
+                    outputs.extend(self.decoder.step([state.generation]))
+                except Exception as error:
+                    running.remove(state)
+                    self._fail(state, error)
         if self.snapshots is not None:
             self.snapshots.mark_changed()
-        update = self._update_for(state, output)
-        if update is None:
-            return
-        if update.final:
-            self._finish(state, update)
-        else:
-            self.emit(update)
+        for state, output in zip(running, outputs):
+            update = self._update_for(state, output)
+            if update is None:
+                continue
+            if update.final:
+                self._finish(state, update)
+            else:
+                self.emit(update)
+
+    def _fail(self, state: RequestState, error: Exception) -> None:
+        """One broken request ends with an error; the instance and the other requests go on."""
+        self.log.log_error(f"Error generating request {state.id}: {traceback.format_exc()}")
+        self._finish(state, Update.failed(state, FailureCode.INTERNAL, f"Error generating text: {error}"))
 
     def _update_for(self, state: RequestState, output: StepOutput) -> Update | None:
         """The response this step produces, if any: streaming sends only steps that made text."""

@@ -119,6 +119,8 @@ class TritonPythonModel:
             snapshots.trie if snapshots else None,
             config.lookahead,
             loaded.eos_token_ids,
+            step_token_budget=config.step_token_budget,
+            max_speculative_batch=config.max_speculative_batch,
         )
         self.tokenize = loaded.tokenizer.encode
         self.limits = RequestLimits(config.lookahead, config.max_prompt_tokens, config.max_output_tokens)

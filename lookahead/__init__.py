@@ -4,7 +4,9 @@ Usable without Triton:
 
     from lookahead import LookaheadDecoder, NGramTrie, SamplingParams, load_model
     loaded = load_model()                      # the embedded SmolLM2-135M-Instruct
-    decoder = LookaheadDecoder(loaded.model, loaded.tokenizer, NGramTrie(), eos_token_ids=loaded.eos_token_ids)
+    decoder = LookaheadDecoder(
+        loaded.model, loaded.tokenizer, NGramTrie(), eos_token_ids=loaded.eos_token_ids
+    )
     ids, stats = decoder.generate(loaded.tokenizer.encode("def fib(n):"), SamplingParams(max_tokens=64))
 """
 

@@ -54,24 +54,36 @@ class CostModel:
 
 @dataclass
 class Calibration:
-    """Ratio of accepted draft tokens to the trie's predicted sum of probabilities."""
+    """Ratio of accepted draft tokens to the trie's predicted sum of probabilities.
+
+    The decoder keeps one across all requests; each request starts from it and adapts faster
+    to its own text.
+    """
 
     ratio: float = 1.0
+    rate: float = _EMA
 
     def observe(self, predicted: float, accepted: int) -> None:
         if predicted > 0:
             sample = min(accepted / predicted, 2.0)
-            self.ratio = max(0.05, self.ratio + _EMA * (sample - self.ratio))
+            self.ratio = max(0.05, self.ratio + self.rate * (sample - self.ratio))
 
 
-def plan_step(drafts: list[Draft], adaptive: list[bool], cost: CostModel, calibration: Calibration, token_budget: int) -> list[Draft]:
+def plan_step(
+    drafts: list[Draft],
+    calibrations: list[Calibration],
+    adaptive: list[bool],
+    cost: CostModel,
+    token_budget: int,
+) -> list[Draft]:
     """Trim the drafts of one batched step to the most cost-effective common width.
 
     The batch is fed as k rows of q tokens (drafts padded to the widest), so a step costs
     cost(k * q). For every q within the budget the expected yield is the sum over requests of
-    1 + c * (sum of its q - 1 most probable node probabilities); the q with the best yield per
-    cost wins, q = 1 being plain batched decoding. Requests that opted out of adaptivity keep
-    their whole draft (within the budget).
+    1 + c_i * (sum of its q - 1 most probable node probabilities), c_i being that request's own
+    calibration (acceptance differs a lot between, say, code editing and a story); the q with
+    the best yield per cost wins, q = 1 being plain batched decoding. Requests that opted out of
+    adaptivity keep their whole draft (within the budget).
     """
     k = len(drafts)
     widest = max(1, token_budget // k)
@@ -79,8 +91,9 @@ def plan_step(drafts: list[Draft], adaptive: list[bool], cost: CostModel, calibr
     forced = max((len(d) for d, a in zip(drafts, adaptive) if not a), default=1)
     best_q, best_rate = 1, -1.0
     for q in range(min(forced, widest), min(widest, max(len(d) for d in drafts)) + 1):
-        expected = k + calibration.ratio * sum(
-            sum(d.probs[i] for i in order[: q - 1]) for d, order in zip(drafts, orders)
+        expected = k + sum(
+            c.ratio * sum(d.probs[i] for i in order[: q - 1])
+            for d, c, order in zip(drafts, calibrations, orders)
         )
         rate = expected / cost.relative(k * q)
         if rate > best_rate:

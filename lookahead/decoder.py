@@ -31,6 +31,8 @@ from .sampling import TokenSelector
 from .trie import NGramTrie, TrieWriter
 from .verify import verify
 
+_REQUEST_CALIBRATION_RATE = 0.3  # a request's own acceptance history outweighs the global one quickly
+
 
 @dataclass
 class StepOutput:
@@ -138,7 +140,11 @@ class LookaheadDecoder:
         if len(gens) > self.max_speculative_batch:
             drafts = [Draft.root_only(d.tokens[0]) for d in drafts]
         drafts = plan_step(
-            drafts, [g.config.adaptive for g in gens], self.cost, self.calibration, self.step_token_budget
+            drafts,
+            [g.calibration for g in gens],
+            [g.config.adaptive for g in gens],
+            self.cost,
+            self.step_token_budget,
         )
         started = time.perf_counter()
         self.pool.arrange(gens)
@@ -162,7 +168,8 @@ class LookaheadDecoder:
         outputs = []
         for gen, draft, verdict in zip(gens, drafts, verdicts):
             if len(draft) > 1:
-                self.calibration.observe(sum(draft.probs[1:]), len(verdict.accepted_nodes))
+                for calibration in (self.calibration, gen.calibration):
+                    calibration.observe(sum(draft.probs[1:]), len(verdict.accepted_nodes))
             gen._record_step(elapsed, len(draft) - 1, len(verdict.accepted_nodes))
             outputs.append(gen._commit(verdict.tokens))
         return outputs
@@ -199,7 +206,11 @@ class Generation:
     """One request: prefill on its first step, then one (possibly speculative) forward per step."""
 
     def __init__(
-        self, decoder: LookaheadDecoder, prompt_ids: list[int], params: SamplingParams, config: LookaheadConfig
+        self,
+        decoder: LookaheadDecoder,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        config: LookaheadConfig,
     ):
         self.decoder = decoder
         self.params = params
@@ -210,13 +221,16 @@ class Generation:
         self.finish_reason: str | None = None
         self.in_pool = False  # holds a KV pool slot (prefilled and not yet finished)
         self.eos = frozenset() if params.ignore_eos else frozenset(decoder.eos_token_ids)
+        self.calibration = Calibration(decoder.calibration.ratio, rate=_REQUEST_CALIBRATION_RATE)
         self.selector = TokenSelector(params, self.prompt_len, decoder.eos_token_ids, decoder.device)
         self.detokenizer = Detokenizer(decoder.tokenizer, prompt_ids, params.stop)
         self.local: NGramTrie | None = None
         self.writers: list[TrieWriter] = []
         if config.drafting:
             depth = config.max_query_length + config.branch_length
-            self.local = NGramTrie(capacity=(self.prompt_len + params.max_tokens) * depth + 1, max_depth=depth)
+            self.local = NGramTrie(
+                capacity=(self.prompt_len + params.max_tokens) * depth + 1, max_depth=depth
+            )
             self.writers.append(self.local.writer())
             self.writers[-1].feed(prompt_ids)
         if decoder.trie is not None:
@@ -249,7 +263,10 @@ class Generation:
         started = time.perf_counter()
         cache = DynamicCache()
         out = self.decoder.model(
-            input_ids=torch.tensor([self.ids], device=self.decoder.device), cache=cache, use_cache=True, logits_to_keep=1
+            input_ids=torch.tensor([self.ids], device=self.decoder.device),
+            cache=cache,
+            use_cache=True,
+            logits_to_keep=1,
         )
         token = self.selector.select(torch.tensor(self.ids, device=self.decoder.device), out.logits[0, -1])
         self.decoder.pool.admit(self, cache)

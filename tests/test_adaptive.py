@@ -8,7 +8,7 @@ from lookahead.draft import Draft
 
 def choose_draft(draft: Draft, cost: CostModel, calibration: Calibration) -> Draft:
     """The plan for a batch of one request with a generous token budget."""
-    return plan_step([draft], [True], cost, calibration, token_budget=64)[0]
+    return plan_step([draft], [calibration], [True], cost, token_budget=64)[0]
 
 
 def chain(probs: list[float]) -> Draft:
@@ -48,13 +48,15 @@ def test_calibration_learns_that_the_trie_is_overconfident() -> None:
 
 def test_batch_shares_one_width_and_the_budget() -> None:
     strong, weak = chain([0.95] * 6), chain([0.05] * 6)
-    plan = plan_step([strong, weak], [True, True], CostModel(GPU_PRIOR), Calibration(), token_budget=8)
+    plan = plan_step([strong, weak], [Calibration()] * 2, [True] * 2, CostModel(GPU_PRIOR), token_budget=8)
     assert [len(d) for d in plan] == [4, 4]  # 8 tokens for 2 requests: width 4 each
-    plan = plan_step([strong] * 4, [True] * 4, CostModel(CPU_PRIOR), Calibration(), token_budget=4)
+    plan = plan_step([strong] * 4, [Calibration()] * 4, [True] * 4, CostModel(CPU_PRIOR), token_budget=4)
     assert [len(d) for d in plan] == [1] * 4  # budget of one token per request: plain decoding
 
 
 def test_a_request_that_opted_out_of_adaptivity_keeps_its_draft() -> None:
     weak = chain([0.01] * 3)
-    plan = plan_step([weak, chain([0.01])], [False, True], CostModel(CPU_PRIOR), Calibration(), token_budget=64)
+    plan = plan_step(
+        [weak, chain([0.01])], [Calibration()] * 2, [False, True], CostModel(CPU_PRIOR), token_budget=64
+    )
     assert len(plan[0]) == 4

@@ -251,9 +251,9 @@ class ScriptedGeneration:
 
     def step(self) -> StepOutput:
         assert self.gate.wait(5)
+        if isinstance(self.steps[0], Exception):  # a broken request fails every time it is stepped
+            raise self.steps[0]
         output = self.steps.pop(0)
-        if isinstance(output, Exception):
-            raise output
         self.log.append(self.name)
         self.stats.steps += 1
         self.stats.output_tokens += len(output.token_ids)
@@ -284,6 +284,10 @@ class ScriptedDecoder:
             self.scripts[name], len(prompt_ids), self.order, name, self.gate
         )
         return self.generations[name]
+
+    def step(self, generations: list[ScriptedGeneration]) -> list[StepOutput]:
+        """Like LookaheadDecoder.step: every generation advances by one step, in the given order."""
+        return [generation.step() for generation in generations]
 
 
 class Recorder:
@@ -383,7 +387,7 @@ def test_an_empty_last_step_still_carries_the_final_flag():
     ]
 
 
-def test_requests_are_stepped_round_robin_so_a_short_one_finishes_first():
+def test_requests_are_stepped_together_so_a_short_one_finishes_first():
     engine, decoder, recorder = run_engine({"l": steps(*"abcdefgh"), "s": steps("x", "y")})
     long = submit(engine, "l", stream=True, prepend_input=False)
     short = submit(engine, "s", stream=True, prepend_input=False)

@@ -33,7 +33,9 @@ def run_concurrently(decoder: LookaheadDecoder, requests: list[tuple[list[int], 
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_greedy_requests_joining_at_different_times_match_running_alone(arch, tiny_model, byte_tokenizer) -> None:
+def test_greedy_requests_joining_at_different_times_match_running_alone(
+    arch, tiny_model, byte_tokenizer
+) -> None:
     model = tiny_model(arch)
     rng = random.Random(arch)
     requests = []

@@ -257,6 +257,30 @@ def test_http_generate_stream_and_generate_match_the_library(server, expected):
     assert excluded["text_output"] == expected["text"]
 
 
+CONCURRENT = [("def add(a, b):", 40), ("The capital of France is", 12), ("import numpy as np\n", 28)]
+
+
+def test_concurrent_requests_are_batched_and_match_running_alone(server, default_model):
+    tokenizer = default_model.tokenizer
+    alone = []
+    for prompt, max_tokens in CONCURRENT:
+        decoder = LookaheadDecoder(
+            default_model.model, tokenizer, NGramTrie(10_000, 16), eos_token_ids=default_model.eos_token_ids
+        )
+        ids, _ = decoder.generate(tokenizer.encode(prompt), SamplingParams(max_tokens=max_tokens))
+        alone.append(tokenizer.decode(ids, skip_special_tokens=True))
+    streams = [GrpcStream(server) for _ in CONCURRENT]
+    try:
+        for i, (stream, (prompt, max_tokens)) in enumerate(zip(streams, CONCURRENT)):
+            options = {"max_tokens": max_tokens}
+            stream.send("lookahead", grpc_inputs(prompt, sampling_parameters=options), f"c{i}")
+        together = ["".join(r.as_numpy("text_output")[0].decode() for r in s.collect()) for s in streams]
+    finally:
+        for stream in streams:
+            stream.close()
+    assert together == alone
+
+
 BAD_REQUESTS = [
     ({"stream": False, "parameters": {"max_tokens": 4}}, "text_input is required"),
     ({"text_input": "hi", "sampling_parameters": "{oops"}, "sampling_parameters is not valid JSON"),
