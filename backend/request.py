@@ -15,20 +15,10 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from lookahead.config import LookaheadConfig, SamplingParams
+from lookahead.config import LookaheadConfig, SamplingParams, field_names
 
 STREAMING_ECHO_ERROR = "When streaming, `exclude_input_in_output` = False is not allowed."
-SAMPLING_KEYS = (
-    "max_tokens",
-    "min_tokens",
-    "temperature",
-    "top_k",
-    "top_p",
-    "repetition_penalty",
-    "seed",
-    "stop",
-    "ignore_eos",
-)
+SAMPLING_KEYS = field_names(SamplingParams)
 LOOKAHEAD_OVERRIDES = ("use_lookahead", "decoding_length", "branch_length", "decoding_mode")
 _FLAGS = (
     "stream",

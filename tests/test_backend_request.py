@@ -12,7 +12,6 @@ import pytest
 
 from backend.engine import SHUTDOWN_MESSAGE, Engine, FailureCode, RequestState, TrieSnapshots, Update
 from backend.request import (
-    SAMPLING_KEYS,
     STREAMING_ECHO_ERROR,
     DictInputs,
     GenerationRequest,
@@ -20,7 +19,7 @@ from backend.request import (
     RequestLimits,
     parse_request,
 )
-from lookahead.config import LookaheadConfig, SamplingParams, field_names
+from lookahead.config import LookaheadConfig, SamplingParams
 from lookahead.decoder import GenerationStats, StepOutput
 from lookahead.persistence import load_trie
 from lookahead.trie import NGramTrie
@@ -94,10 +93,6 @@ def test_sampling_parameters_accept_strings_and_ignore_unknown_keys():
         stop=("\n\n",),
         ignore_eos=True,
     )
-
-
-def test_every_sampling_field_is_read():
-    assert set(SAMPLING_KEYS) == set(field_names(SamplingParams))
 
 
 def test_stop_may_be_a_list_and_null_means_unset():
