@@ -17,7 +17,7 @@ def chain(probs: list[float]) -> Draft:
 
 
 def test_weak_draft_is_dropped_on_cpu_but_kept_on_gpu() -> None:
-    weak = chain([0.4, 0.2])  # 1.6 expected tokens for a ~1.9x forward on a CPU
+    weak = chain([0.04, 0.02])  # 1.04 expected tokens for the 1.06x cost of 2 tokens on a CPU
     assert len(choose_draft(weak, CostModel(CPU_PRIOR), Calibration())) == 1
     assert len(choose_draft(weak, CostModel(GPU_PRIOR), Calibration())) == 3
 
@@ -35,6 +35,8 @@ def test_measured_costs_replace_the_prior() -> None:
         cost.observe(1, 0.10)
         cost.observe(4, 0.11)
     assert abs(cost.relative(3) - 1.1) < 1e-9  # 3 new tokens fall in the bucket of 4
+    prior_only = choose_draft(chain([0.4, 0.2]), CostModel(CPU_PRIOR), Calibration())
+    assert len(prior_only) == 2  # the prior says 3 tokens cost 1.5x
     assert len(choose_draft(chain([0.4, 0.2]), cost, Calibration())) == 3
 
 
