@@ -209,22 +209,29 @@ class Engine:
                 state.generation = self.decoder.start(request.prompt_ids, request.sampling, request.lookahead)
             except Exception as error:
                 self._fail(state, error)
-        running = list(self.active)
-        if not running:
-            return
+        # New requests are prefilled (and their first token sent) before the others' decoding step,
+        # so time to first token does not include a batched decoding step.
+        prefilling = [state for state in self.active if not state.generation.in_pool]
+        decoding = [state for state in self.active if state.generation.in_pool]
+        for group in (prefilling, decoding):
+            if group:
+                self._step(group)
+
+    def _step(self, states: list[RequestState]) -> None:
+        """One decoder.step() for these requests, then their updates."""
         try:
-            outputs = self.decoder.step([state.generation for state in running])
+            outputs = self.decoder.step([state.generation for state in states])
         except Exception:  # find the request that broke the batch; the others carry on alone
             outputs = []
-            for state in list(running):
+            for state in list(states):
                 try:
                     outputs.extend(self.decoder.step([state.generation]))
                 except Exception as error:
-                    running.remove(state)
+                    states.remove(state)
                     self._fail(state, error)
         if self.snapshots is not None:
             self.snapshots.mark_changed()
-        for state, output in zip(running, outputs):
+        for state, output in zip(states, outputs):
             update = self._update_for(state, output)
             if update is None:
                 continue

@@ -242,6 +242,7 @@ class ScriptedGeneration:
         self.stats = GenerationStats(prompt_tokens=prompt_tokens)
         self.finished = False
         self.closed = False
+        self.in_pool = False  # like Generation: true once its first step (the prefill) ran
         self.log, self.name = log, name
 
     def step(self) -> StepOutput:
@@ -249,6 +250,7 @@ class ScriptedGeneration:
         if isinstance(self.steps[0], Exception):  # a broken request fails every time it is stepped
             raise self.steps[0]
         output = self.steps.pop(0)
+        self.in_pool = True
         self.log.append(self.name)
         self.stats.steps += 1
         self.stats.output_tokens += len(output.token_ids)
