@@ -6,8 +6,10 @@ of every request and the arrival time and outputs of every response. Those give 
 summary lacks for streaming LLMs: time to first token, and output tokens/s from the
 `num_output_tokens` deltas. Prompts are sent as raw text (the server applies no chat template);
 every request generates exactly --max-tokens tokens (ignore_eos), so both models do equal work.
-The lookahead model's global trie keeps what it learned in earlier runs (its snapshot under
-trie_state_dir), so repeating a run on the same prompts measures a warmer trie.
+Each concurrency level sends its own slice of the prompt set. The lookahead model's global
+trie keeps what it learned in earlier runs (its snapshot under trie_state_dir), so repeating a
+run on the same prompts measures a warmer trie: start from an empty trie_state_dir for
+comparable numbers.
 
     python -m scripts.load_test                     # against a server on localhost:8001
     python -m scripts.load_test --start-server      # start one on free ports for the run
@@ -106,9 +108,9 @@ def summarize_profile(model: str, profile: dict[str, Any]) -> list[LoadPoint]:
     return [summarize_experiment(model, experiment) for experiment in profile["experiments"]]
 
 
-def write_input_data(prompt_set: str, prompts: int, max_tokens: int, path: Path) -> Path:
-    """perf_analyzer --input-data from a bundled prompt set, asking for per-response token counts."""
-    write_perf_analyzer_input(load_prompt_set(prompt_set, prompts).prompts, path, max_tokens)
+def write_input_data(prompts: Sequence[str], max_tokens: int, path: Path) -> Path:
+    """perf_analyzer --input-data for these prompts, asking for per-response token counts."""
+    write_perf_analyzer_input(prompts, path, max_tokens)
     data = json.loads(path.read_text(encoding="utf-8"))
     for entry in data["data"]:
         entry["return_num_output_tokens"] = [True]
@@ -270,15 +272,24 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    input_data = write_input_data(
-        args.prompt_set, args.prompts, args.max_tokens, args.out / "input_data.json"
-    )
+    # Each concurrency level gets its own slice of the set, so the lookahead model's trie never
+    # drafts a request from its own earlier answer to the very same prompt (both models see the
+    # same slice at the same level).
+    available = load_prompt_set(args.prompt_set).prompts
+    input_data = {
+        concurrency: write_input_data(
+            [available[(level * args.prompts + i) % len(available)] for i in range(args.prompts)],
+            args.max_tokens,
+            args.out / f"input_data_c{concurrency}.json",
+        )
+        for level, concurrency in enumerate(args.concurrency)
+    }
     points: list[LoadPoint] = []
     try:
         with server_url(args) as url:
             for model in args.models:
                 for concurrency in args.concurrency:
-                    points.append(run_point(args, model, url, concurrency, input_data))
+                    points.append(run_point(args, model, url, concurrency, input_data[concurrency]))
     except (LoadTestError, TritonServerError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1

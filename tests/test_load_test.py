@@ -109,7 +109,7 @@ def test_perf_analyzer_streams_over_grpc_with_a_fixed_request_count(tmp_path: Pa
 
 
 def test_input_data_asks_for_token_counts(tmp_path: Path) -> None:
-    path = write_input_data("humaneval", 3, 20, tmp_path / "input.json")
+    path = write_input_data(["a", "b", "c"], 20, tmp_path / "input.json")
     entries = json.loads(path.read_text())["data"]
     assert len(entries) == 3
     for entry in entries:
