@@ -31,6 +31,9 @@ from .sampling import TokenSelector
 from .trie import NGramTrie, TrieWriter
 from .verify import verify
 
+# The trie's probabilities overstate acceptance about threefold until calibrated: the shared
+# ratio converged to 0.3-0.4 on every benchmark set, so a cold decoder starts there.
+INITIAL_CALIBRATION = 0.35
 _REQUEST_CALIBRATION_RATE = 0.3  # a request's own acceptance history outweighs the global one quickly
 
 
@@ -90,7 +93,7 @@ class LookaheadDecoder:
         self.device = next(model.parameters()).device
         self.pool = KVPool()
         self.cost = CostModel.for_device(self.device.type)
-        self.calibration = Calibration()
+        self.calibration = Calibration(INITIAL_CALIBRATION)
 
     def start(
         self,
