@@ -66,7 +66,7 @@ class Calibration:
 
     def observe(self, predicted: float, accepted: int) -> None:
         if predicted > 0:
-            sample = min(accepted / predicted, 2.0)
+            sample = min(accepted / predicted, 1.0)  # probabilities are upper bounds: never inflate them
             self.ratio = max(0.05, self.ratio + self.rate * (sample - self.ratio))
 
 
