@@ -271,6 +271,7 @@ class ScriptedDecoder:
     def __init__(self, scripts: dict[str, list[StepOutput]]):
         self.scripts = scripts
         self.order: list[str] = []
+        self.batches: list[list[str]] = []  # the generations of each step() call
         self.generations: dict[str, ScriptedGeneration] = {}
         self.gate = threading.Event()  # steps wait for it; open unless a test closes it
         self.gate.set()
@@ -284,6 +285,7 @@ class ScriptedDecoder:
 
     def step(self, generations: list[ScriptedGeneration]) -> list[StepOutput]:
         """Like LookaheadDecoder.step: every generation advances by one step, in the given order."""
+        self.batches.append([generation.name for generation in generations])
         return [generation.step() for generation in generations]
 
 
@@ -394,6 +396,25 @@ def test_requests_are_stepped_together_so_a_short_one_finishes_first():
     assert decoder.order[:4] == ["l", "s", "l", "s"]
     finals = [u.state for u in recorder.updates if u.final]
     assert finals == [short, long]
+
+
+def test_a_new_request_is_prefilled_before_the_running_ones_step():
+    engine, decoder, recorder = run_engine({"l": steps(*"abcdefgh"), "n": steps("x", "y")})
+    original_emit = engine.emit
+
+    def submit_after_first_response(update: Update) -> None:
+        original_emit(update)
+        if len(recorder.updates) == 1:
+            submit(engine, "n", stream=True, prepend_input=False)
+
+    engine.emit = submit_after_first_response
+    submit(engine, "l", stream=True, prepend_input=False)
+    engine.start()
+    recorder.wait_finals(2)
+    engine.stop()
+    joined = decoder.batches.index(["n"])  # the newcomer's prefill runs alone ...
+    assert decoder.batches[joined + 1] == ["l"]  # ... before the running request's next step
+    assert ["l", "n"] in decoder.batches[joined + 1 :]  # then they step together
 
 
 def test_a_cancelled_request_stops_within_one_step_and_gets_one_cancelled_final():
