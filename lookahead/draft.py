@@ -74,7 +74,3 @@ class Draft:
     def position_ids(self, prefix_len: int) -> torch.Tensor:
         """[n] positions: the root sits right after the committed prefix, children one deeper."""
         return torch.tensor(self.depths(), dtype=torch.long) + prefix_len
-
-    def is_chain_prefix(self, accepted: list[int]) -> bool:
-        """True when accepted node indices are exactly 1..m, so the KV cache can just be truncated."""
-        return accepted == list(range(1, len(accepted) + 1))
