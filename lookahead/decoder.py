@@ -170,10 +170,12 @@ class LookaheadDecoder:
         self.cost.observe(len(gens) * width, elapsed)
         outputs = []
         for gen, draft, verdict in zip(gens, drafts, verdicts):
+            accepted = len(verdict.accepted_nodes)
             if len(draft) > 1:
+                predicted = sum(draft.probs[1:])
                 for calibration in (self.calibration, gen.calibration):
-                    calibration.observe(sum(draft.probs[1:]), len(verdict.accepted_nodes))
-            gen._record_step(elapsed, len(draft) - 1, len(verdict.accepted_nodes))
+                    calibration.observe(predicted, accepted)
+            gen._record_step(elapsed, len(draft) - 1, accepted)
             outputs.append(gen._commit(verdict.tokens))
         return outputs
 
