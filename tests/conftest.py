@@ -10,6 +10,7 @@ import torch
 from transformers import CONFIG_MAPPING, AutoModelForCausalLM
 
 from lookahead.models import DEFAULT_MODEL, LoadedModel, load_model
+from lookahead.packed_linear import apply_linear_kernel
 
 TINY_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "gemma")
 
@@ -25,13 +26,30 @@ _TINY_CONFIG = dict(
 )
 
 
-def build_tiny_model(architecture: str = "llama", **config_overrides: Any) -> Any:
+# Both linear kernels, for tests that must hold on each execution path.
+LINEAR_KERNELS = (
+    "stock",
+    pytest.param(
+        "packed",
+        marks=pytest.mark.skipif(
+            torch.backends.cpu.get_cpu_capability() not in ("AVX512", "AMX"),
+            reason="the packed kernel needs AVX-512",
+        ),
+    ),
+)
+
+
+def build_tiny_model(
+    architecture: str = "llama", linear_kernel: str = "stock", **config_overrides: Any
+) -> Any:
     """A float32 model in eval mode whose weights depend only on the architecture and config."""
     if architecture not in TINY_ARCHITECTURES:
         raise ValueError(f"architecture must be one of {', '.join(TINY_ARCHITECTURES)}, got {architecture!r}")
     config = CONFIG_MAPPING[architecture](**{**_TINY_CONFIG, **config_overrides})
     torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    apply_linear_kernel(model, linear_kernel)
+    return model
 
 
 @pytest.fixture

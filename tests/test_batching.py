@@ -7,6 +7,7 @@ import random
 import pytest
 
 from lookahead import LookaheadConfig, LookaheadDecoder, NGramTrie, SamplingParams
+from tests.conftest import LINEAR_KERNELS
 from tests.test_decoder import plain_greedy, repetitive_prompt
 
 
@@ -32,11 +33,12 @@ def run_concurrently(decoder: LookaheadDecoder, requests: list[tuple[list[int], 
     return outputs, batch_sizes
 
 
+@pytest.mark.parametrize("kernel", LINEAR_KERNELS)
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_greedy_requests_joining_at_different_times_match_running_alone(
-    arch, tiny_model, byte_tokenizer
+    arch, kernel, tiny_model, byte_tokenizer
 ) -> None:
-    model = tiny_model(arch)
+    model = tiny_model(arch, linear_kernel=kernel)
     rng = random.Random(arch)
     requests = []
     for i in range(5):

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from lookahead import LookaheadConfig, LookaheadDecoder, NGramTrie, SamplingParams
+from tests.conftest import LINEAR_KERNELS
 
 ARCHITECTURES = ["llama", "qwen2", "qwen3", "mistral", "gemma"]
 MAX_TOKENS = 24
@@ -39,9 +40,12 @@ def make_decoder(model, tokenizer, trie: NGramTrie, mode: str) -> LookaheadDecod
     return LookaheadDecoder(model, tokenizer, trie, config)
 
 
+@pytest.mark.parametrize("kernel", LINEAR_KERNELS)
 @pytest.mark.parametrize("arch", ARCHITECTURES)
-def test_greedy_is_lossless_for_wrong_right_and_partial_drafts(arch: str, tiny_model, byte_tokenizer) -> None:
-    model = tiny_model(arch)
+def test_greedy_is_lossless_for_wrong_right_and_partial_drafts(
+    arch: str, kernel: str, tiny_model, byte_tokenizer
+) -> None:
+    model = tiny_model(arch, linear_kernel=kernel)
     vocab = model.config.vocab_size
     rng = random.Random(arch)
     for case in range(6):

@@ -1,0 +1,275 @@
+"""A CPU execution path for fp32 models: cheaper forwards, above all over a few tokens.
+
+Stock fp32 linear layers re-pack their weights on every matrix-matrix call, so verifying a
+16-token draft tree costs about 2x a one-token step. `pack_linear_layers` swaps every fp32
+`nn.Linear` of a model for a `PackedLinear` whose weights are packed once for the AVX-512 kernel
+in `csrc/packed_linear.cpp` (compiled once with the machine's g++ into .cache/kernels). Weights
+that are exactly a dequantised 4- or 8-bit checkpoint (the default model's are) are kept in an
+int8 form the kernel rebuilds bit for bit, so a step streams a quarter of the bytes.
+
+The kernel's results do not depend on the number of rows fed together, so plain and
+speculative decoding on this path produce the same logits bit for bit.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from functools import cache
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+from torch import nn
+
+LINEAR_KERNELS = ("auto", "packed", "stock")
+_LANES = 16  # outputs per packed block, as in csrc/packed_linear.cpp
+_GROUP = 32  # inputs sharing one (d, m) in the int8 form
+_SOURCE = Path(__file__).with_name("csrc") / "packed_linear.cpp"
+_BUILD_ROOT = Path(
+    os.environ.get("LOOKAHEAD_KERNEL_DIR") or Path(__file__).resolve().parents[1] / ".cache" / "kernels"
+)
+_FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp", "-mavx512f", "-mavx512vl", "-mfma"]
+
+logger = logging.getLogger(__name__)
+
+
+class PackedLinearUnavailable(RuntimeError):
+    """This machine, model or device cannot run the packed kernel."""
+
+
+@cache
+def _extension() -> ModuleType:
+    """Compile (first time, ~30 s) or load the kernel; the build is keyed by source, flags and torch."""
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX512", "AMX"):
+        raise PackedLinearUnavailable(
+            f"the packed kernel needs an AVX-512 CPU (this one: {torch.backends.cpu.get_cpu_capability()})"
+        )
+    from torch.utils import cpp_extension
+
+    try:
+        import ninja
+
+        os.environ["PATH"] = f"{ninja.BIN_DIR}{os.pathsep}{os.environ.get('PATH', '')}"
+    except ImportError:
+        pass  # a ninja on PATH will do
+    build = _BUILD_ROOT / f"packed_linear-torch{torch.__version__}"
+    build.mkdir(parents=True, exist_ok=True)
+    try:
+        return cpp_extension.load(
+            "lookahead_packed_linear",
+            [str(_SOURCE)],
+            extra_cflags=_FLAGS,
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(build),
+        )
+    except (OSError, RuntimeError, ImportError) as error:
+        raise PackedLinearUnavailable(f"could not build {_SOURCE.name}: {error}") from error
+
+
+# Sibling layers that always read the same input (attention q/k/v, MLP gate/up): packed as one
+# matrix, one kernel call serves all of them, which halves the calls of a forward.
+FUSED_SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+class PackedWeights(nn.Module):
+    """The weights of one or more fp32 linear layers (same input) packed for the kernel.
+
+    Kept as int8 blocks when exactly representable. The last product is cached by input
+    identity, so siblings called on the same tensor share one kernel call.
+    """
+
+    def __init__(self, linears: list[nn.Linear]):
+        super().__init__()
+        self.in_features = linears[0].in_features
+        self.out_features = sum(linear.out_features for linear in linears)
+        weight = torch.cat([linear.weight.detach() for linear in linears])
+        blocks = exact_int8_blocks(weight)
+        self.int8 = blocks is not None
+        if blocks is None:
+            self.register_buffer("weight_packed", _pack_columns(weight))
+        else:
+            for name, tensor in zip(("q_packed", "d_packed", "m_packed"), blocks):
+                self.register_buffer(name, _pack_columns(tensor))
+        biases = [linear.bias for linear in linears]
+        self.register_buffer("bias", None if biases[0] is None else torch.cat([b.detach() for b in biases]))
+        self._extension = _extension()
+        self._last: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._last is not None and self._last[0] is x:
+            return self._last[1]
+        rows = x.reshape(-1, self.in_features).contiguous()
+        if self.int8:
+            scaled = (self.q_packed, self.d_packed, self.m_packed)
+            y = self._extension.int8_linear(rows, *scaled, self.out_features)
+        else:
+            y = self._extension.fp32_linear(rows, self.weight_packed, self.out_features)
+        if self.bias is not None:
+            y += self.bias
+        y = y.view(*x.shape[:-1], self.out_features)
+        self._last = (x, y)
+        return y
+
+    def extra_repr(self) -> str:
+        form = "int8 blocks" if self.int8 else "fp32"
+        return f"in_features={self.in_features}, out_features={self.out_features}, {form}"
+
+
+class PackedLinear(nn.Module):
+    """Drop-in for one `nn.Linear`: outputs [start, stop) of a (possibly shared) `PackedWeights`."""
+
+    def __init__(self, weights: PackedWeights, start: int, stop: int):
+        super().__init__()
+        self.weights, self.start, self.stop = weights, start, stop
+        self.in_features, self.out_features = weights.in_features, stop - start
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> PackedLinear:
+        return cls(PackedWeights([linear]), 0, linear.out_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.weights(x)
+        return y if self.out_features == y.shape[-1] else y[..., self.start : self.stop]
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}"
+
+
+def exact_int8_blocks(
+    weight: torch.Tensor, chunk_rows: int = 4096
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """(q int8 [N, K], d [N, K/32], m [N, K/32]) with weight == fl(fl(d * q) + m) bit for bit, else None.
+
+    A model dequantised from a Q4_1- or Q8_0-style checkpoint (the default model is) has such
+    weights: every 32 consecutive inputs of a row share one scale d and offset m. Candidates for
+    d are the half-precision neighbours of (max - min) / 15 (4-bit, m = min) and of
+    max|w| / 127 (8-bit, m = 0); a block is kept only if one rebuilds it exactly.
+    """
+    rows, inputs = weight.shape
+    if weight.dtype != torch.float32 or inputs % _GROUP:
+        return None
+    parts = []
+    for start in range(0, rows, chunk_rows):
+        part = _exact_int8_chunk(weight[start : start + chunk_rows].reshape(-1, inputs // _GROUP, _GROUP))
+        if part is None:
+            return None
+        parts.append(part)
+    q, d, m = (torch.cat(column) for column in zip(*parts))
+    return q.reshape(rows, inputs), d, m
+
+
+def _exact_int8_chunk(groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    low, high = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
+    magnitude = groups.abs().amax(-1, keepdim=True)
+    best_q = torch.zeros(groups.shape, dtype=torch.int8)
+    best_d, best_m = torch.zeros_like(low), torch.zeros_like(low)
+    exact = torch.zeros(low.shape, dtype=torch.bool)
+    families = ((high - low, low, 0, 15), (magnitude, torch.zeros_like(low), -128, 127))  # Q4_1, Q8_0
+    for span, offset, q_min, q_max in families:
+        for ulps in (0, 1, -1, 2, -2):
+            scale = ((span / max(q_max, 1)).half().view(torch.int16) + ulps).view(torch.float16).float()
+            q = torch.where(scale > 0, torch.round((groups - offset) / scale), 0).clamp(q_min, q_max)
+            rebuilt = scale * q + offset
+            hit = (rebuilt.view(torch.int32) == groups.view(torch.int32)).all(-1, keepdim=True) & ~exact
+            best_q = torch.where(hit, q.to(torch.int8), best_q)
+            best_d, best_m = torch.where(hit, scale, best_d), torch.where(hit, offset, best_m)
+            exact |= hit
+    if not bool(exact.all()):
+        return None
+    return best_q, best_d.squeeze(-1), best_m.squeeze(-1)
+
+
+def _pack_columns(matrix: torch.Tensor) -> torch.Tensor:
+    """[N, C] -> [ceil(N / 16), C, 16]: each block of 16 outputs k-major, zero-padded."""
+    outputs, columns = matrix.shape
+    blocks = -(-outputs // _LANES)
+    padded = matrix.new_zeros(blocks * _LANES, columns)
+    padded[:outputs] = matrix
+    return padded.view(blocks, _LANES, columns).transpose(1, 2).contiguous()
+
+
+def packed_kernel_supported(model: Any) -> str | None:
+    """Why `model` cannot use the packed kernel here, or None when it can."""
+    parameter = next(model.parameters())
+    if parameter.device.type != "cpu":
+        return f"the packed kernel runs on the CPU, not {parameter.device}"
+    if parameter.dtype != torch.float32:
+        return f"the packed kernel is fp32 only, not {str(parameter.dtype).removeprefix('torch.')}"
+    try:
+        _extension()
+    except PackedLinearUnavailable as error:
+        return str(error)
+    return None
+
+
+def linear_kernel_of(model: nn.Module) -> str:
+    """ "packed" if `model` runs on the packed kernel, else "stock"."""
+    return "packed" if any(isinstance(module, PackedLinear) for module in model.modules()) else "stock"
+
+
+def pack_linear_layers(model: nn.Module) -> int:
+    """Replace every fp32 `nn.Linear` of `model` in place by a `PackedLinear`; return how many."""
+    replaced = 0
+    for parent in list(model.modules()):
+        children = {
+            name: child
+            for name, child in parent.named_children()
+            if type(child) is nn.Linear and child.weight.dtype == torch.float32
+        }
+        groups = [names for names in FUSED_SIBLINGS if _fusable([children.get(n) for n in names])]
+        grouped = {name for names in groups for name in names}
+        groups += [(name,) for name in children if name not in grouped]
+        for names in groups:
+            linears = [children[name] for name in names]
+            weights, start = PackedWeights(linears), 0
+            for name, linear in zip(names, linears):
+                setattr(parent, name, PackedLinear(weights, start, start + linear.out_features))
+                start += linear.out_features
+            replaced += len(names)
+    return replaced
+
+
+def _fusable(linears: list[nn.Linear | None]) -> bool:
+    present = [linear for linear in linears if linear is not None]
+    return (
+        len(present) == len(linears)
+        and len({linear.in_features for linear in present}) == 1
+        and len({linear.bias is None for linear in present}) == 1
+    )
+
+
+def apply_linear_kernel(model: nn.Module, kernel: str) -> str:
+    """Put `model` on the linear kernel named `kernel` ("auto": packed where it can run); return the one used.
+
+    Raises ValueError for an unknown name and PackedLinearUnavailable when "packed" cannot run here.
+    """
+    if kernel not in LINEAR_KERNELS:
+        raise ValueError(f"linear_kernel must be one of {', '.join(LINEAR_KERNELS)}, not {kernel!r}")
+    if kernel == "stock":
+        return "stock"
+    reason = packed_kernel_supported(model)
+    if reason is not None:
+        if kernel == "packed":
+            raise PackedLinearUnavailable(reason)
+        logger.info("linear_kernel auto: stock (%s)", reason)
+        return "stock"
+    pack_linear_layers(model)
+    return "packed"
+
+
+def main() -> int:
+    """Build the kernel ahead of time (scripts/bootstrap.sh) so the first server start does not wait."""
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        extension = _extension()
+    except PackedLinearUnavailable as error:
+        print(f"packed linear kernel unavailable, the stock layers will be used: {error}")
+        return 0
+    print(f"packed linear kernel ready: {extension.__file__}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

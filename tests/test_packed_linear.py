@@ -1,0 +1,161 @@
+"""The packed linear kernel: same results as nn.Linear, independent of the batch, exact int8 form."""
+
+from __future__ import annotations
+
+import copy
+import random
+
+import pytest
+import torch
+from torch import nn
+
+from lookahead import LookaheadConfig, LookaheadDecoder, NGramTrie, SamplingParams
+from lookahead.packed_linear import (
+    PackedLinear,
+    PackedLinearUnavailable,
+    _extension,
+    _pack_columns,
+    apply_linear_kernel,
+    exact_int8_blocks,
+)
+from tests.test_decoder import plain_greedy, repetitive_prompt
+
+pytestmark = pytest.mark.skipif(
+    torch.backends.cpu.get_cpu_capability() not in ("AVX512", "AMX"), reason="the packed kernel needs AVX-512"
+)
+
+
+def dequantised(rows: int, inputs: int, bits: int, seed: int) -> torch.Tensor:
+    """Weights as a Q4_1 (bits=4: d * q + m, q in 0..15) or Q8_0 (bits=8: d * q) checkpoint dequantises.
+
+    As those quantisers do, every group of 32 spans the full q range (its extremes define d).
+    """
+    generator = torch.Generator().manual_seed(seed)
+    groups = inputs // 32
+    d = (torch.rand(rows, groups, 1, generator=generator) * 0.01 + 1e-4).half().float()
+    if bits == 4:
+        q = torch.randint(0, 16, (rows, groups, 32), generator=generator).float()
+        q[..., 0], q[..., 1] = 0, 15
+        m = -(torch.rand(rows, groups, 1, generator=generator) * 0.1).half().float()
+        return (d * q + m).reshape(rows, inputs)
+    q = torch.randint(-127, 128, (rows, groups, 32), generator=generator).float()
+    q[..., 0] = 127
+    return (d * q).reshape(rows, inputs)
+
+
+@pytest.mark.parametrize("outputs, inputs, bias", [(100, 96, True), (576, 576, False), (49, 64, True)])
+def test_packed_linear_computes_what_nn_linear_does(outputs: int, inputs: int, bias: bool) -> None:
+    torch.manual_seed(outputs)
+    linear = nn.Linear(inputs, outputs, bias=bias)
+    packed = PackedLinear.from_linear(linear)
+    for shape in [(1, inputs), (3, 5, inputs), (40, inputs)]:
+        x = torch.randn(shape)
+        got = packed(x)
+        assert got.shape == (*shape[:-1], outputs)
+        torch.testing.assert_close(got, linear(x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("weight_kind", ["fp32", "int8"])
+def test_each_rows_result_does_not_depend_on_the_other_rows(weight_kind: str) -> None:
+    weight = torch.randn(200, 128) if weight_kind == "fp32" else dequantised(200, 128, 4, seed=1)
+    linear = nn.Linear(128, 200, bias=False)
+    linear.weight.data.copy_(weight)
+    packed = PackedLinear.from_linear(linear)
+    assert packed.weights.int8 == (weight_kind == "int8")
+    x = torch.randn(40, 128)  # 40 rows: several row tiles
+    together = packed(x)
+    for count in (1, 2, 5, 16, 33):
+        assert torch.equal(packed(x[:count]), together[:count]), f"{count} rows"
+    assert torch.equal(torch.stack([packed(row[None])[0] for row in x]), together)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_int8_form_rebuilds_dequantised_weights_bit_for_bit(bits: int) -> None:
+    weight = dequantised(64, 96, bits, seed=bits)
+    blocks = exact_int8_blocks(weight)
+    assert blocks is not None
+    q, d, m = blocks
+    rebuilt = d.repeat_interleave(32, dim=1) * q.float() + m.repeat_interleave(32, dim=1)
+    assert torch.equal(rebuilt.view(torch.int32), weight.view(torch.int32))
+    # The kernel on the int8 form returns exactly what it returns on the fp32 form.
+    extension = _extension()
+    x = torch.randn(9, 96)
+    int8 = extension.int8_linear(x, *(_pack_columns(t) for t in (q, d, m)), 64)
+    assert torch.equal(int8, extension.fp32_linear(x, _pack_columns(weight), 64))
+
+
+def test_ordinary_weights_stay_fp32() -> None:
+    assert exact_int8_blocks(torch.randn(32, 64)) is None
+    assert exact_int8_blocks(dequantised(16, 64, 4, seed=0)[:, :48]) is None  # inputs not a multiple of 32
+    almost = dequantised(16, 64, 4, seed=0)
+    almost[3, 7] = torch.nextafter(almost[3, 7], torch.tensor(1.0))  # one weight off by one ulp
+    assert exact_int8_blocks(almost) is None
+
+
+def test_kernel_choice_and_its_errors(tiny_model) -> None:
+    with pytest.raises(ValueError, match="linear_kernel must be one of auto, packed, stock"):
+        apply_linear_kernel(tiny_model("llama"), "fast")
+    half = tiny_model("llama").to(torch.bfloat16)
+    with pytest.raises(PackedLinearUnavailable, match="fp32 only, not bfloat16"):
+        apply_linear_kernel(half, "packed")
+    assert apply_linear_kernel(half, "auto") == "stock"
+    assert not any(isinstance(module, PackedLinear) for module in half.modules())
+    model = tiny_model("qwen2")  # attention projections with biases
+    assert apply_linear_kernel(model, "auto") == "packed"
+    linears = [module for module in model.modules() if isinstance(module, nn.Linear)]
+    assert linears == []
+    assert sum(isinstance(module, PackedLinear) for module in model.modules()) == 2 * 7 + 1
+
+
+def quantise_in_place(model: nn.Module) -> None:
+    """Give every linear layer Q4_1-dequantised weights, so that packing picks the int8 form."""
+    for index, module in enumerate(m for m in model.modules() if isinstance(m, nn.Linear)):
+        outputs, inputs = module.weight.shape
+        module.weight.data.copy_(dequantised(outputs, inputs, 4, seed=index) * 4)
+
+
+@pytest.mark.parametrize("weights", ["fp32", "int8"])
+def test_lookahead_on_the_packed_path_is_lossless(weights: str, tiny_model, byte_tokenizer) -> None:
+    model = tiny_model("llama", tie_word_embeddings=False)
+    if weights == "int8":
+        quantise_in_place(model)
+    apply_linear_kernel(model, "packed")
+    packed = [module for module in model.modules() if isinstance(module, PackedLinear)]
+    assert packed and all(module.weights.int8 == (weights == "int8") for module in packed)
+    rng = random.Random(weights)
+    vocab = model.config.vocab_size
+    for case in range(4):
+        prompt = repetitive_prompt(rng, vocab)
+        expected = plain_greedy(model, prompt, 24)  # transformers' generate on the same packed layers
+        trie = NGramTrie(capacity=10_000, max_depth=9)
+        truth = prompt[-3:] + expected
+        trie.insert([t if i % 4 else (t + 1) % vocab for i, t in enumerate(truth)] if case % 2 else truth)
+        for _ in range(5):
+            trie.insert([rng.randrange(vocab) for _ in range(20)])
+        config = LookaheadConfig(decoding_length=12, branch_length=5, decoding_mode="hier", adaptive=False)
+        ids, stats = LookaheadDecoder(model, byte_tokenizer, trie, config).generate(
+            prompt, SamplingParams(max_tokens=24)
+        )
+        assert ids == expected
+        assert stats.accepted_draft_tokens > 0
+
+
+def test_fused_siblings_share_one_product_but_never_a_stale_one(tiny_model) -> None:
+    model = tiny_model("llama")
+    attention, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    names = {attention: ("q_proj", "k_proj", "v_proj", "o_proj"), mlp: ("gate_proj", "up_proj", "down_proj")}
+    originals = {
+        (parent, name): copy.deepcopy(getattr(parent, name)) for parent in names for name in names[parent]
+    }
+    apply_linear_kernel(model, "packed")
+    assert len({getattr(attention, name).weights for name in ("q_proj", "k_proj", "v_proj")}) == 1
+    assert len({getattr(mlp, name).weights for name in ("gate_proj", "up_proj")}) == 1
+    assert attention.o_proj.weights is not attention.q_proj.weights
+    x, other = torch.randn(2, 5, 64), torch.randn(2, 5, 64)
+    calls = [("q_proj", x), ("k_proj", other), ("v_proj", x), ("k_proj", x), ("q_proj", x.clone())]
+    for name, inputs in calls:
+        expected = originals[(attention, name)](inputs)
+        torch.testing.assert_close(getattr(attention, name)(inputs), expected, rtol=1e-5, atol=1e-5)
+    for name in ("up_proj", "gate_proj"):
+        expected = originals[(mlp, name)](other)
+        torch.testing.assert_close(getattr(mlp, name)(other), expected, rtol=1e-5, atol=1e-5)
