@@ -26,6 +26,7 @@ from .config import LookaheadConfig, SamplingParams
 from .detokenizer import Detokenizer
 from .draft import Draft
 from .kv_pool import KVPool
+from .packed_linear import linear_kernel_of
 from .retrieval import retrieve_draft
 from .sampling import TokenSelector
 from .trie import NGramTrie, TrieWriter
@@ -92,7 +93,7 @@ class LookaheadDecoder:
         self.max_speculative_batch = max_speculative_batch
         self.device = next(model.parameters()).device
         self.pool = KVPool()
-        self.cost = CostModel.for_device(self.device.type)
+        self.cost = CostModel.for_device(self.device.type, linear_kernel_of(model))
         self.calibration = Calibration(INITIAL_CALIBRATION)
 
     def start(
@@ -152,7 +153,7 @@ class LookaheadDecoder:
         started = time.perf_counter()
         self.pool.arrange(gens)
         lengths = [len(gen.ids) - 1 for gen in gens]
-        logits = self._forward_drafts(drafts, lengths)
+        logits = self.forward_drafts(drafts, lengths)
         verdicts = [
             verify(draft, logits[i, : len(draft)], torch.tensor(gen.ids, device=logits.device), gen.selector)
             for i, (gen, draft) in enumerate(zip(gens, drafts))
@@ -179,8 +180,11 @@ class LookaheadDecoder:
             outputs.append(gen._commit(verdict.tokens))
         return outputs
 
-    def _forward_drafts(self, drafts: list[Draft], lengths: list[int]) -> torch.Tensor:
-        """Logits [k, width, vocab]: request i's draft fed after its lengths[i] cached entries."""
+    def forward_drafts(self, drafts: list[Draft], lengths: list[int]) -> torch.Tensor:
+        """Logits [k, width, vocab]: pool slot i's draft fed after its lengths[i] cached entries.
+
+        Writes the drafts' KV entries but commits nothing, so the same call can be repeated.
+        """
         k, width = len(drafts), max(len(d) for d in drafts)
         read_length = max(lengths) + width
         ids = torch.zeros(k, width, dtype=torch.long)
