@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 
 from lookahead.config import LookaheadConfig
 from lookahead.models import DEFAULT_MODEL, DTYPES
+from lookahead.packed_linear import LINEAR_KERNELS
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 # Keys the Python backend itself reads; never reported as unknown.
@@ -35,6 +36,7 @@ class BackendConfig:
     dtype: str
     device: str
     threads: int
+    linear_kernel: str
     lookahead: LookaheadConfig
     step_token_budget: int
     max_speculative_batch: int
@@ -113,6 +115,7 @@ def parse_parameters(
         dtype=read("dtype", _choice(tuple(DTYPES)), "float32"),
         device=read("device", _device, f"cuda:{instance_device_id}" if instance_kind == "GPU" else "cpu"),
         threads=read("threads", _int(minimum=0), 0),  # 0: torch's default
+        linear_kernel=read("linear_kernel", _choice(LINEAR_KERNELS), "auto"),
         lookahead=lookahead,
         step_token_budget=read("step_token_budget", _int(minimum=1), 128),
         max_speculative_batch=read("max_speculative_batch", _int(minimum=0), 16),

@@ -107,7 +107,11 @@ class TritonPythonModel:
             )
 
         loaded = load_model(
-            config.model, dtype=config.dtype, device=config.device, threads=config.threads or None
+            config.model,
+            dtype=config.dtype,
+            device=config.device,
+            threads=config.threads or None,
+            linear_kernel=config.linear_kernel,
         )
         snapshots = None
         if config.lookahead.use_lookahead:
@@ -142,7 +146,8 @@ class TritonPythonModel:
         self.responses.start()
         self.engine.start()
         self.logger.log_info(
-            f"{args['model_instance_name']}: serving {loaded.name} on {config.device} ({config.dtype}), "
+            f"{args['model_instance_name']}: serving {loaded.name} on {config.device} "
+            f"({config.dtype}, {loaded.linear_kernel} linear kernel), "
             f"{config.lookahead}, trie {snapshots.trie.node_count if snapshots else 0} nodes"
         )
 

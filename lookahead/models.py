@@ -27,6 +27,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers reads it: ne
 import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache  # noqa: E402
 
+from lookahead.packed_linear import apply_linear_kernel  # noqa: E402
+
 DEFAULT_MODEL = "smollm2-135m-instruct"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -53,6 +55,7 @@ class LoadedModel:
     name: str
     fingerprint: str
     eos_token_ids: tuple[int, ...]
+    linear_kernel: str = "stock"  # the kernel the linear layers run on: "packed" or "stock"
 
 
 def cache_dir() -> Path:
@@ -148,8 +151,13 @@ def load_model(
     dtype: str = "float32",
     device: str = "cpu",
     threads: int | None = None,
+    linear_kernel: str = "auto",
 ) -> LoadedModel:
-    """Load a causal LM and its tokenizer in eval mode; no network access."""
+    """Load a causal LM and its tokenizer in eval mode; no network access.
+
+    linear_kernel: "packed" runs fp32 CPU linear layers on the packed kernel (cheap multi-token
+    forwards), "auto" does so where it can run, "stock" keeps transformers' layers.
+    """
     torch_dtype = _parse_dtype(dtype)
     _check_device(device)
     if threads is not None:
@@ -160,6 +168,7 @@ def load_model(
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, local_files_only=True)
     model.to(device).eval()
+    kernel = apply_linear_kernel(model, linear_kernel)
     name = DEFAULT_MODEL if name_or_path == DEFAULT_MODEL else path.resolve().name
     return LoadedModel(
         model=model,
@@ -167,6 +176,7 @@ def load_model(
         name=name,
         fingerprint=model_fingerprint(path, tokenizer, name),
         eos_token_ids=eos_token_ids(model, tokenizer),
+        linear_kernel=kernel,
     )
 
 

@@ -30,6 +30,7 @@ import torch
 from lookahead.config import LookaheadConfig, SamplingParams
 from lookahead.decoder import LookaheadDecoder
 from lookahead.models import DEFAULT_MODEL, DTYPES, LoadedModel, apply_chat_template, load_model
+from lookahead.packed_linear import LINEAR_KERNELS
 from lookahead.trie import NGramTrie
 from scripts.prompt_sets import PROMPT_SET_NAMES, PromptSet, load_prompt_set
 
@@ -310,6 +311,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     parser.add_argument("--dtype", default="float32", choices=list(DTYPES))
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    parser.add_argument(
+        "--linear-kernel", default="auto", choices=LINEAR_KERNELS, help="linear kernel of every method"
+    )
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--sets", nargs="+", default=list(PROMPT_SET_NAMES), choices=PROMPT_SET_NAMES)
     parser.add_argument("--limit", type=int, default=None, help="first N prompts of each set")
@@ -323,9 +327,17 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    loaded = load_model(args.model, dtype=args.dtype, device=args.device, threads=args.threads)
+    loaded = load_model(
+        args.model,
+        dtype=args.dtype,
+        device=args.device,
+        threads=args.threads,
+        linear_kernel=args.linear_kernel,
+    )
     print(
-        f"model {loaded.name} on {args.device} ({args.dtype}, {torch.get_num_threads()} threads)", flush=True
+        f"model {loaded.name} on {args.device} ({args.dtype}, {torch.get_num_threads()} threads, "
+        f"{loaded.linear_kernel} linear kernel)",
+        flush=True,
     )
     print(f"note: {TRIE_LEARNING_NOTE}", flush=True)
     results: list[MethodResult] = []
@@ -343,6 +355,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "device": args.device,
         "dtype": args.dtype,
         "threads": torch.get_num_threads(),
+        "linear_kernel": loaded.linear_kernel,
         "torch": torch.__version__,
         "max_new_tokens": args.max_new_tokens,
         "prompt_lookup_num_tokens": PROMPT_LOOKUP_TOKENS,

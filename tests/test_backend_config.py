@@ -31,6 +31,7 @@ def test_unset_parameters_take_the_defaults(tmp_path):
     config = parse(tmp_path)
     assert config.model == DEFAULT_MODEL
     assert (config.dtype, config.device, config.threads) == ("float32", "cpu", 0)
+    assert config.linear_kernel == "auto"
     assert config.lookahead == LookaheadConfig()
     assert config.trie_state_dir == PROJECT_ROOT / ".state" / "lookahead"
     assert config.warmup_corpus is None
@@ -60,6 +61,7 @@ def test_values_are_parsed_by_type(tmp_path):
         threads="1",
         dtype="bfloat16",
         device="cuda:1",
+        linear_kernel="stock",
         max_prompt_tokens="100",
         max_output_tokens="20",
         REPORT_CUSTOM_METRICS="TRUE",
@@ -73,7 +75,7 @@ def test_values_are_parsed_by_type(tmp_path):
         adaptive=False,
     )
     assert (config.trie_capacity, config.snapshot_interval_s, config.threads) == (5000, 2.5, 1)
-    assert (config.dtype, config.device) == ("bfloat16", "cuda:1")
+    assert (config.dtype, config.device, config.linear_kernel) == ("bfloat16", "cuda:1", "stock")
     assert (config.max_prompt_tokens, config.max_output_tokens, config.report_custom_metrics) == (
         100,
         20,
@@ -114,6 +116,7 @@ def test_gpu_instances_default_to_their_device(tmp_path):
         ("snapshot_interval_s", "nan", "must be >= 0.0"),
         ("threads", "-1", "must be >= 0"),
         ("dtype", "int8", "expected one of float32, bfloat16, float16, got 'int8'"),
+        ("linear_kernel", "fast", "expected one of auto, packed, stock, got 'fast'"),
         ("device", "tpu", "expected cpu, cuda or cuda:<index>, got 'tpu'"),
         ("device", "cpu:0", "expected cpu, cuda or cuda:<index>"),
         ("max_prompt_tokens", "0", "must be >= 1"),
