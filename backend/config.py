@@ -9,6 +9,7 @@ TensorRT-LLM `fill_template.py` convention) both mean "use the default".
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +20,8 @@ from lookahead.models import DEFAULT_MODEL, DTYPES
 from lookahead.packed_linear import LINEAR_KERNELS
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
+# Folder holding each model's default trie_state_dir (<folder>/<model>); default <repo>/.state.
+STATE_DIR_ENV = "LOOKAHEAD_STATE_DIR"
 # Keys the Python backend itself reads; never reported as unknown.
 _TRITON_RESERVED = frozenset({"EXECUTION_ENV_PATH", "FORCE_CPU_ONLY_INPUT_TENSORS"})
 
@@ -87,7 +90,8 @@ def parse_parameters(
     """
     read = _Reader(parameters)
     repository = model_dir.resolve().parent
-    state_dir = read("trie_state_dir", _path(repository), PROJECT_ROOT / ".state" / model_name)
+    state_root = Path(os.environ.get(STATE_DIR_ENV) or PROJECT_ROOT / ".state")
+    state_dir = read("trie_state_dir", _path(repository), state_root / model_name)
     lookahead_fields = {
         name: read(name, parser, getattr(LookaheadConfig, name))
         for name, parser in (

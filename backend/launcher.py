@@ -28,7 +28,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType, TracebackType
@@ -239,6 +239,7 @@ def start_server(
     metrics_port: int,
     log_file: str | Path | None = None,
     extra_args: Sequence[str] = (),
+    extra_env: Mapping[str, str] | None = None,
     ready_timeout_s: float = 300.0,
 ) -> TritonServer:
     """Start tritonserver on model_repository and return once it reports ready.
@@ -268,7 +269,7 @@ def start_server(
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            env=installation.env,
+            env={**installation.env, **(extra_env or {})},
             start_new_session=True,
         )
     server = TritonServer(

@@ -6,10 +6,10 @@ of every request and the arrival time and outputs of every response. Those give 
 summary lacks for streaming LLMs: time to first token, and output tokens/s from the
 `num_output_tokens` deltas. Prompts are sent as raw text (the server applies no chat template);
 every request generates exactly --max-tokens tokens (ignore_eos), so both models do equal work.
-Each concurrency level sends its own slice of the prompt set. The lookahead model's global
-trie keeps what it learned in earlier runs (its snapshot under trie_state_dir), so repeating a
-run on the same prompts measures a warmer trie: start from an empty trie_state_dir for
-comparable numbers.
+Each concurrency level sends its own slice of the prompt set. A server started by this script
+(--start-server) keeps its trie snapshots under --out/trie_state, emptied first, so every run
+starts from an empty trie unless --warm-trie keeps the last run's; a running server (--url)
+keeps whatever its trie learned before.
 
     python -m scripts.load_test                     # against a server on localhost:8001
     python -m scripts.load_test --start-server      # start one on free ports for the run
@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator, Sequence
@@ -34,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from backend.config import STATE_DIR_ENV
 from backend.launcher import TritonServerError, free_port, start_server
 from scripts.prompt_sets import PROMPT_SET_NAMES, load_prompt_set, write_perf_analyzer_input
 
@@ -229,12 +231,16 @@ def server_url(args: argparse.Namespace) -> Iterator[str]:
         yield args.url
         return
     print(f"starting tritonserver on {args.model_repository} (log {args.out / 'server.log'})", flush=True)
+    state = args.out / "trie_state"
+    if not args.warm_trie:
+        shutil.rmtree(state, ignore_errors=True)
     with start_server(
         args.model_repository,
         http_port=free_port(),
         grpc_port=free_port(),
         metrics_port=free_port(),
         log_file=args.out / "server.log",
+        extra_env={STATE_DIR_ENV: str(state.resolve())},
     ) as server:
         yield server.grpc_url
 
@@ -250,6 +256,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--url", default="localhost:8001", help="gRPC host:port of a running server")
     parser.add_argument("--start-server", action="store_true", help="start tritonserver for the run")
+    parser.add_argument(
+        "--warm-trie", action="store_true", help="with --start-server: keep the trie of the last run in --out"
+    )
     parser.add_argument("--model-repository", type=Path, default=REPO_ROOT / "model_repository")
     parser.add_argument("--models", nargs="+", default=list(MODELS))
     parser.add_argument("--concurrency", type=parse_concurrency, default=(1, 2, 4, 8), help="e.g. 1,2,4,8")

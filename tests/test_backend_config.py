@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from backend.config import PROJECT_ROOT, BackendConfig, parse_parameters
+from backend.config import PROJECT_ROOT, STATE_DIR_ENV, BackendConfig, parse_parameters
 from lookahead.config import LookaheadConfig
 from lookahead.models import DEFAULT_MODEL
 
@@ -164,3 +164,9 @@ def test_shipped_configs_parse_without_unknown_parameters(model, use_lookahead):
     assert config.lookahead.use_lookahead is use_lookahead
     assert config.model == DEFAULT_MODEL
     assert config.trie_state_dir == PROJECT_ROOT / ".state" / model
+
+
+def test_the_state_folder_of_unset_trie_state_dirs_comes_from_the_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv(STATE_DIR_ENV, str(tmp_path / "states"))
+    assert parse(tmp_path).trie_state_dir == tmp_path / "states" / "lookahead"
+    assert parse(tmp_path, trie_state_dir="mine").trie_state_dir == (tmp_path / "repo" / "mine").resolve()
