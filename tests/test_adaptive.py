@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from lookahead.adaptive import CPU_PRIOR, GPU_PRIOR, Calibration, CostModel, plan_step
+import torch
+
+from lookahead.adaptive import CPU_PRIOR, GPU_PRIOR, PACKED_CPU_PRIOR, Calibration, CostModel, plan_step
+from lookahead.decoder import LookaheadDecoder
 from lookahead.draft import Draft
 
 
@@ -62,3 +65,13 @@ def test_a_request_that_opted_out_of_adaptivity_keeps_its_draft() -> None:
         [weak, chain([0.01])], [Calibration()] * 2, [False, True], CostModel(CPU_PRIOR), token_budget=64
     )
     assert len(plan[0]) == 4
+
+
+def test_the_cost_prior_follows_the_device_and_the_linear_kernel(tiny_model, byte_tokenizer) -> None:
+    assert CostModel.for_device("cuda", "stock").prior is GPU_PRIOR
+    assert CostModel.for_device("cpu", "stock").prior is CPU_PRIOR
+    assert CostModel.for_device("cpu", "packed").prior is PACKED_CPU_PRIOR
+    assert LookaheadDecoder(tiny_model("llama"), byte_tokenizer).cost.prior is CPU_PRIOR
+    if torch.backends.cpu.get_cpu_capability() in ("AVX512", "AMX"):
+        packed = tiny_model("llama", linear_kernel="packed")
+        assert LookaheadDecoder(packed, byte_tokenizer).cost.prior is PACKED_CPU_PRIOR
