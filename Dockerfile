@@ -22,8 +22,13 @@ COPY lookahead ./lookahead
 COPY backend ./backend
 COPY model_repository ./model_repository
 
-# Convert the embedded default model once, at build time, so the server starts in seconds.
-RUN python3 -m lookahead.models --prepare
+# Convert the embedded default model once, at build time, so the server starts in seconds; on a
+# CPU-only run the packed AVX-512 linear kernel needs g++ and is compiled here too (it reports,
+# and the server falls back to stock layers, where the build machine cannot run it).
+RUN (command -v g++ >/dev/null || (apt-get update && apt-get install -y --no-install-recommends g++ \
+      && rm -rf /var/lib/apt/lists/*)) \
+ && python3 -m lookahead.models --prepare \
+ && python3 -m lookahead.packed_linear
 
 EXPOSE 8000 8001 8002
 CMD ["tritonserver", "--model-repository=/opt/lookahead/model_repository"]
