@@ -154,14 +154,20 @@ def run_point(
     requests = request_count(concurrency, args.request_count)
     command = perf_analyzer_command(args.perf_analyzer, model, url, concurrency, input_data, export, requests)
     print(f"{model}, concurrency {concurrency}, {requests} requests", flush=True)
-    finished = subprocess.run(command, capture_output=True, text=True)
     log = args.out / f"perf_analyzer_{model}_c{concurrency}.log"
-    log.write_text(" ".join(command) + "\n" + finished.stdout + finished.stderr, encoding="utf-8")
-    if finished.returncode != 0:
-        tail = "\n".join((finished.stdout + finished.stderr).splitlines()[-15:])
-        raise LoadTestError(f"perf_analyzer exited with {finished.returncode} (log {log}):\n{tail}")
-    (point,) = summarize_profile(model, json.loads(export.read_text(encoding="utf-8")))
-    return point
+    for _ in range(2):  # perf_analyzer 2.50 now and then exits 0 leaving an empty export
+        export.unlink(missing_ok=True)
+        finished = subprocess.run(command, capture_output=True, text=True)
+        log.write_text(" ".join(command) + "\n" + finished.stdout + finished.stderr, encoding="utf-8")
+        if finished.returncode != 0:
+            tail = "\n".join((finished.stdout + finished.stderr).splitlines()[-15:])
+            raise LoadTestError(f"perf_analyzer exited with {finished.returncode} (log {log}):\n{tail}")
+        text = export.read_text(encoding="utf-8") if export.exists() else ""
+        if text.strip():
+            (point,) = summarize_profile(model, json.loads(text))
+            return point
+        print(f"perf_analyzer left {export} empty; measuring this point again", flush=True)
+    raise LoadTestError(f"perf_analyzer exited 0 twice without writing {export} (log {log})")
 
 
 def format_table(points: Sequence[LoadPoint]) -> str:
