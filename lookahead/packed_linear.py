@@ -76,8 +76,8 @@ FUSED_SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 class PackedWeights(nn.Module):
     """The weights of one or more fp32 linear layers (same input) packed for the kernel.
 
-    Kept as int8 blocks when exactly representable. The last product is cached by input
-    identity, so siblings called on the same tensor share one kernel call.
+    Kept as int8 blocks when exactly representable. Fused siblings share one kernel call: the
+    product is kept, keyed by the input tensor's identity, until every sibling has taken it.
     """
 
     def __init__(self, linears: list[nn.Linear]):
@@ -95,11 +95,17 @@ class PackedWeights(nn.Module):
         biases = [linear.bias for linear in linears]
         self.register_buffer("bias", None if biases[0] is None else torch.cat([b.detach() for b in biases]))
         self._extension = _extension()
-        self._last: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._siblings = len(linears)
+        self._shared: tuple[torch.Tensor, torch.Tensor] | None = None  # (input, product)
+        self._takers_left = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._last is not None and self._last[0] is x:
-            return self._last[1]
+        if self._shared is not None and self._shared[0] is x:
+            product = self._shared[1]
+            self._takers_left -= 1
+            if self._takers_left == 0:
+                self._shared = None
+            return product
         rows = x.reshape(-1, self.in_features).contiguous()
         if self.int8:
             scaled = (self.q_packed, self.d_packed, self.m_packed)
@@ -109,7 +115,8 @@ class PackedWeights(nn.Module):
         if self.bias is not None:
             y += self.bias
         y = y.view(*x.shape[:-1], self.out_features)
-        self._last = (x, y)
+        if self._siblings > 1:
+            self._shared, self._takers_left = (x, y), self._siblings - 1
         return y
 
     def extra_repr(self) -> str:

@@ -159,3 +159,8 @@ def test_fused_siblings_share_one_product_but_never_a_stale_one(tiny_model) -> N
     for name in ("up_proj", "gate_proj"):
         expected = originals[(mlp, name)](other)
         torch.testing.assert_close(getattr(mlp, name)(other), expected, rtol=1e-5, atol=1e-5)
+    # Once every sibling took the shared product, nothing keeps it (or its input) alive.
+    hidden = torch.randn(1, 3, 64)
+    for name in ("q_proj", "k_proj", "v_proj"):
+        getattr(attention, name)(hidden)
+    assert attention.q_proj.weights._shared is None
