@@ -209,13 +209,14 @@ class Engine:
                 state.generation = self.decoder.start(request.prompt_ids, request.sampling, request.lookahead)
             except Exception as error:
                 self._fail(state, error)
-        # New requests are prefilled (and their first token sent) before the others' decoding step,
-        # so time to first token does not include a batched decoding step.
-        prefilling = [state for state in self.active if not state.generation.in_pool]
+        # New requests are prefilled one by one, each sending its first token at once, before the
+        # others' decoding step: time to first token never includes a decoding step, and in a
+        # burst of arrivals only the last one waits for every prefill.
         decoding = [state for state in self.active if state.generation.in_pool]
-        for group in (prefilling, decoding):
-            if group:
-                self._step(group)
+        for state in [state for state in self.active if not state.generation.in_pool]:
+            self._step([state])
+        if decoding:
+            self._step(decoding)
 
     def _step(self, states: list[RequestState]) -> None:
         """One decoder.step() for these requests, then their updates."""

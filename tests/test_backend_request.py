@@ -417,6 +417,28 @@ def test_a_new_request_is_prefilled_before_the_running_ones_step():
     assert ["l", "n"] in decoder.batches[joined + 1 :]  # then they step together
 
 
+def test_requests_arriving_together_each_get_their_first_token_right_after_their_own_prefill():
+    engine, decoder, recorder = run_engine({"a": steps("x", "y"), "b": steps("u", "v")})
+    events: list[tuple[str, ...]] = []
+    original_step, original_emit = decoder.step, engine.emit
+
+    def step(generations: list[ScriptedGeneration]) -> list[StepOutput]:
+        events.append(("step", *(generation.name for generation in generations)))
+        return original_step(generations)
+
+    def emit(update: Update) -> None:
+        events.append(("emit", update.text))
+        original_emit(update)
+
+    decoder.step, engine.emit = step, emit
+    submit(engine, "a", stream=True, prepend_input=False)
+    submit(engine, "b", stream=True, prepend_input=False)
+    engine.start()
+    recorder.wait_finals(2)
+    engine.stop()
+    assert events[:5] == [("step", "a"), ("emit", "x"), ("step", "b"), ("emit", "u"), ("step", "a", "b")]
+
+
 def test_a_cancelled_request_stops_within_one_step_and_gets_one_cancelled_final():
     script = steps(*"abcdefgh")
     engine, decoder, recorder = run_engine({"c": script})
