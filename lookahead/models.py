@@ -27,7 +27,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers reads it: ne
 import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache  # noqa: E402
 
-from lookahead.packed_linear import apply_linear_kernel  # noqa: E402
+from lookahead.packed_linear import apply_linear_kernel, build_packed_kernel  # noqa: E402
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -297,13 +297,18 @@ def _plain_logits(model: Any, tokens: list[int], device: torch.device) -> torch.
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--prepare", action="store_true", help="convert the default model into the cache")
+    parser.add_argument(
+        "--prepare",
+        action="store_true",
+        help="convert the default model into the cache and build the packed linear kernel",
+    )
     parser.add_argument("--check", metavar="MODEL", help="load MODEL and run the tree-attention check")
     args = parser.parse_args(argv)
     if not (args.prepare or args.check):
         parser.error("nothing to do: give --prepare and/or --check MODEL")
     if args.prepare:
         print(f"default model: {prepare_default_model()}")
+        print(f"packed linear kernel: {build_packed_kernel()}")
     if args.check:
         loaded = load_model(args.check)
         check_tree_attention(loaded.model)

@@ -266,17 +266,12 @@ def apply_linear_kernel(model: nn.Module, kernel: str) -> str:
     return "packed"
 
 
-def main() -> int:
-    """Build the kernel ahead of time (scripts/bootstrap.sh) so the first server start does not wait."""
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+def build_packed_kernel() -> str:
+    """Build the kernel ahead of time (scripts/bootstrap.sh) so that no model load waits for it.
+
+    Returns the built library, or why the stock layers will be used on this machine.
+    """
     try:
-        extension = _extension()
+        return _extension().__file__
     except PackedLinearUnavailable as error:
-        print(f"packed linear kernel unavailable, the stock layers will be used: {error}")
-        return 0
-    print(f"packed linear kernel ready: {extension.__file__}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+        return f"unavailable, the stock layers will be used ({error})"

@@ -6,8 +6,8 @@
 # - .venv: the pinned requirements (requirements*.txt), plus a .pth file that puts this repository
 #   on the environment's sys.path: the Triton Python backend stub runs an isolated interpreter
 #   that ignores PYTHONPATH, so the environment itself must know the project.
-# - the default model, converted once into .cache/models (python -m lookahead.models --prepare).
-# - the packed linear kernel, compiled once into .cache/kernels (python -m lookahead.packed_linear).
+# - the default model, converted once into .cache/models, and the packed linear kernel, compiled
+#   once into .cache/kernels (python -m lookahead.models --prepare).
 # - .venv-perf: perf_analyzer (requirements-perf.txt) and the libb64-0d system package it needs.
 # pip is skipped while a stamp holding the requirements' hash is current, so a second run takes
 # seconds. PYTHON chooses the interpreter for new environments (default python3, >= 3.10).
@@ -74,7 +74,6 @@ _lookahead_bootstrap() (
     [[ "$(cat "$project_pth" 2>/dev/null)" == "$root" ]] || echo "$root" > "$project_pth"
 
     .venv/bin/python -m lookahead.models --prepare
-    .venv/bin/python -m lookahead.packed_linear  # compile the AVX-512 kernel once (~30 s)
 
     make_venv .venv-perf
     if ! is_current .venv-perf requirements-perf.txt; then
