@@ -136,10 +136,12 @@ class LookaheadDecoder:
         outputs = {id(gen): gen._prefill() for gen in generations if not gen.in_pool}
         running = [gen for gen in generations if id(gen) not in outputs]
         if running:
+            running = self.pool.arrange(running, max(len(gen.ids) - 1 for gen in running))
             outputs.update(zip(map(id, running), self._decode(running)))
         return [outputs[id(gen)] for gen in generations]
 
     def _decode(self, gens: list[Generation]) -> list[StepOutput]:
+        """One forward for `gens`, which hold pool slots 0..k-1 in this order (see KVPool.arrange)."""
         drafts = [gen._retrieve() for gen in gens]
         if len(gens) > self.max_speculative_batch:
             drafts = [Draft.root_only(d.tokens[0]) for d in drafts]
@@ -151,7 +153,6 @@ class LookaheadDecoder:
             self.step_token_budget,
         )
         started = time.perf_counter()
-        self.pool.arrange(gens)
         lengths = [len(gen.ids) - 1 for gen in gens]
         logits = self.forward_drafts(drafts, lengths)
         verdicts = [

@@ -62,16 +62,27 @@ class KVPool:
     def release(self, owner: object) -> None:
         self.owners[self.owners.index(owner)] = None
 
-    def arrange(self, owners: list[object]) -> list[int]:
-        """Move `owners` into slots 0..k-1 in this order (swapping contents); return those slots."""
-        for position, owner in enumerate(owners):
-            current = self.owners.index(owner)
-            if current != position:
-                for buffers in (self.keys, self.values):
-                    for layer in buffers:
+    def arrange(self, owners: list[object], used: int) -> list[object]:
+        """Put `owners` into slots 0..k-1 moving as few as possible; return them in slot order.
+
+        Only owners sitting at slot k or above move, each into a slot that is free or held by a
+        request outside this batch (then swapped whole). `used`: the most entries any of the
+        owners holds, all that moves into a free slot.
+        """
+        k = len(owners)
+        batch = {id(owner) for owner in owners}
+        movers = [owner for owner in owners if self.owners.index(owner) >= k]
+        targets = [slot for slot in range(k) if id(self.owners[slot]) not in batch]
+        for owner, position in zip(movers, targets):
+            current, displaced = self.owners.index(owner), self.owners[position]
+            for buffers in (self.keys, self.values):
+                for layer in buffers:
+                    if displaced is None:
+                        layer[position, :, :used] = layer[current, :, :used]
+                    else:
                         layer[[position, current]] = layer[[current, position]]
-                self.owners[position], self.owners[current] = owner, self.owners[position]
-        return list(range(len(owners)))
+            self.owners[position], self.owners[current] = owner, displaced
+        return self.owners[:k]
 
     def reserve(self, length: int) -> None:
         """Make every slot able to hold `length` entries."""
