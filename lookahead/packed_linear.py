@@ -174,18 +174,18 @@ def _exact_int8_chunk(groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
     best_d, best_m = torch.zeros_like(low), torch.zeros_like(low)
     exact = torch.zeros(low.shape, dtype=torch.bool)
     families = ((high - low, low, 0, 15), (magnitude, torch.zeros_like(low), -128, 127))  # Q4_1, Q8_0
-    for span, offset, q_min, q_max in families:
-        for ulps in (0, 1, -1, 2, -2):
-            scale = ((span / max(q_max, 1)).half().view(torch.int16) + ulps).view(torch.float16).float()
-            q = torch.where(scale > 0, torch.round((groups - offset) / scale), 0).clamp(q_min, q_max)
-            rebuilt = scale * q + offset
-            hit = (rebuilt.view(torch.int32) == groups.view(torch.int32)).all(-1, keepdim=True) & ~exact
-            best_q = torch.where(hit, q.to(torch.int8), best_q)
-            best_d, best_m = torch.where(hit, scale, best_d), torch.where(hit, offset, best_m)
-            exact |= hit
-    if not bool(exact.all()):
-        return None
-    return best_q, best_d.squeeze(-1), best_m.squeeze(-1)
+    candidates = ((family, ulps) for family in families for ulps in (0, 1, -1, 2, -2))
+    for (span, offset, q_min, q_max), ulps in candidates:
+        scale = ((span / q_max).half().view(torch.int16) + ulps).view(torch.float16).float()
+        q = torch.where(scale > 0, torch.round((groups - offset) / scale), 0).clamp(q_min, q_max)
+        rebuilt = scale * q + offset
+        hit = (rebuilt.view(torch.int32) == groups.view(torch.int32)).all(-1, keepdim=True) & ~exact
+        best_q = torch.where(hit, q.to(torch.int8), best_q)
+        best_d, best_m = torch.where(hit, scale, best_d), torch.where(hit, offset, best_m)
+        exact |= hit
+        if bool(exact.all()):  # the usual case after the first candidate: no need to try the rest
+            return best_q, best_d.squeeze(-1), best_m.squeeze(-1)
+    return None
 
 
 def _pack_columns(matrix: torch.Tensor) -> torch.Tensor:
