@@ -39,10 +39,15 @@ class PackedLinearUnavailable(RuntimeError):
     """This machine, model or device cannot run the packed kernel."""
 
 
+def cpu_has_avx512() -> bool:
+    """Whether this CPU can run the kernel (torch's own detection of its vector extensions)."""
+    return torch.backends.cpu.get_cpu_capability() in ("AVX512", "AMX")
+
+
 @cache
 def _extension() -> ModuleType:
     """Compile (first time, ~30 s) or load the kernel; the build is keyed by source, flags and torch."""
-    if torch.backends.cpu.get_cpu_capability() not in ("AVX512", "AMX"):
+    if not cpu_has_avx512():
         raise PackedLinearUnavailable(
             f"the packed kernel needs an AVX-512 CPU (this one: {torch.backends.cpu.get_cpu_capability()})"
         )
@@ -216,9 +221,8 @@ def linear_kernel_of(model: nn.Module) -> str:
     return "packed" if any(isinstance(module, PackedLinear) for module in model.modules()) else "stock"
 
 
-def pack_linear_layers(model: nn.Module) -> int:
-    """Replace every fp32 `nn.Linear` of `model` in place by a `PackedLinear`; return how many."""
-    replaced = 0
+def pack_linear_layers(model: nn.Module) -> None:
+    """Replace every fp32 `nn.Linear` of `model` in place by a `PackedLinear`."""
     for parent in list(model.modules()):
         children = {
             name: child
@@ -234,8 +238,6 @@ def pack_linear_layers(model: nn.Module) -> int:
             for name, linear in zip(names, linears):
                 setattr(parent, name, PackedLinear(weights, start, start + linear.out_features))
                 start += linear.out_features
-            replaced += len(names)
-    return replaced
 
 
 def _fusable(linears: list[nn.Linear | None]) -> bool:

@@ -10,7 +10,7 @@ import torch
 from transformers import CONFIG_MAPPING, AutoModelForCausalLM
 
 from lookahead.models import DEFAULT_MODEL, LoadedModel, load_model
-from lookahead.packed_linear import apply_linear_kernel
+from lookahead.packed_linear import apply_linear_kernel, cpu_has_avx512
 
 TINY_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "gemma")
 
@@ -31,10 +31,7 @@ LINEAR_KERNELS = (
     "stock",
     pytest.param(
         "packed",
-        marks=pytest.mark.skipif(
-            torch.backends.cpu.get_cpu_capability() not in ("AVX512", "AMX"),
-            reason="the packed kernel needs AVX-512",
-        ),
+        marks=pytest.mark.skipif(not cpu_has_avx512(), reason="the packed kernel needs AVX-512"),
     ),
 )
 

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import torch
-
 from lookahead.adaptive import CPU_PRIOR, GPU_PRIOR, PACKED_CPU_PRIOR, Calibration, CostModel, plan_step
 from lookahead.decoder import LookaheadDecoder
 from lookahead.draft import Draft
+from lookahead.packed_linear import cpu_has_avx512
 
 
 def choose_draft(draft: Draft, cost: CostModel, calibration: Calibration) -> Draft:
@@ -72,6 +71,6 @@ def test_the_cost_prior_follows_the_device_and_the_linear_kernel(tiny_model, byt
     assert CostModel.for_device("cpu", "stock").prior is CPU_PRIOR
     assert CostModel.for_device("cpu", "packed").prior is PACKED_CPU_PRIOR
     assert LookaheadDecoder(tiny_model("llama"), byte_tokenizer).cost.prior is CPU_PRIOR
-    if torch.backends.cpu.get_cpu_capability() in ("AVX512", "AMX"):
+    if cpu_has_avx512():
         packed = tiny_model("llama", linear_kernel="packed")
         assert LookaheadDecoder(packed, byte_tokenizer).cost.prior is PACKED_CPU_PRIOR

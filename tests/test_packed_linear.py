@@ -16,13 +16,12 @@ from lookahead.packed_linear import (
     _extension,
     _pack_columns,
     apply_linear_kernel,
+    cpu_has_avx512,
     exact_int8_blocks,
 )
 from tests.test_decoder import plain_greedy, repetitive_prompt
 
-pytestmark = pytest.mark.skipif(
-    torch.backends.cpu.get_cpu_capability() not in ("AVX512", "AMX"), reason="the packed kernel needs AVX-512"
-)
+pytestmark = pytest.mark.skipif(not cpu_has_avx512(), reason="the packed kernel needs AVX-512")
 
 
 def dequantised(rows: int, inputs: int, bits: int, seed: int) -> torch.Tensor:
