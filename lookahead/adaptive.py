@@ -28,17 +28,36 @@ GPU_PRIOR = {1: 1.0, 2: 1.02, 4: 1.03, 8: 1.05, 16: 1.08, 32: 1.15, 64: 1.3, 128
 _EMA = 0.1
 
 
-def _bucket(q: int) -> int:
-    """Round q up to a power of two (cost is measured per bucket)."""
-    return 1 << max(0, math.ceil(math.log2(max(q, 1))))
+def _points(q: float) -> tuple[int, int, float]:
+    """The powers of two around q and q's linear weight on the upper one."""
+    q = max(q, 1.0)
+    lower = 1 << int(math.floor(math.log2(q)))
+    return lower, 2 * lower, (q - lower) / lower
+
+
+def _interpolate(table: dict[int, float], q: float) -> float:
+    lower, upper, weight = _points(q)
+    top = max(table)
+    if lower >= top:
+        return table[top] * q / top  # past the table: cost grows in proportion to the tokens
+    return table[lower] + weight * (table[upper] - table[lower])
 
 
 @dataclass
 class CostModel:
-    """Seconds per forward by bucket of new tokens, as exponential moving averages."""
+    """Seconds per forward at q = 1, 2, 4, 8, ... new tokens (EMAs), interpolated in between.
+
+    A forward over q tokens is credited to the nearer of the two powers of two around it, scaled
+    by the prior's slope between q and that point, so a draft of 20 tokens is neither charged
+    for 32 (which would make every width up to 32 look free) nor for 16.
+    """
 
     prior: dict[int, float]
     seconds: dict[int, float] = field(default_factory=dict)
+    _relative: dict[int, float] = field(init=False)  # cost(point) / cost(1) for every prior point
+
+    def __post_init__(self) -> None:
+        self._relative = dict(self.prior)
 
     @classmethod
     def for_device(cls, device_type: str, linear_kernel: str = "stock") -> CostModel:
@@ -47,16 +66,18 @@ class CostModel:
         return cls(PACKED_CPU_PRIOR if linear_kernel == "packed" else CPU_PRIOR)
 
     def observe(self, q: int, seconds: float) -> None:
-        b = _bucket(q)
-        old = self.seconds.get(b)
-        self.seconds[b] = seconds if old is None else old + _EMA * (seconds - old)
+        lower, upper, weight = _points(q)
+        point = min(upper if weight > 0.5 else lower, max(self.prior))
+        seconds *= _interpolate(self.prior, point) / _interpolate(self.prior, q)
+        old = self.seconds.get(point)
+        self.seconds[point] = seconds if old is None else old + _EMA * (seconds - old)
+        if 1 in self.seconds:  # measured points where both were seen, else the prior's
+            for point, seconds in self.seconds.items():
+                self._relative[point] = max(seconds / self.seconds[1], 1.0)
 
     def relative(self, q: int) -> float:
-        """cost(q) / cost(1), measured where both were seen, else from the prior."""
-        b = min(_bucket(q), max(self.prior))
-        if b in self.seconds and 1 in self.seconds:
-            return max(self.seconds[b] / self.seconds[1], 1.0)
-        return self.prior[b]
+        """cost(q) / cost(1)."""
+        return max(_interpolate(self._relative, q), 1.0)
 
 
 @dataclass

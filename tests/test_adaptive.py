@@ -36,10 +36,21 @@ def test_measured_costs_replace_the_prior() -> None:
     for _ in range(3):
         cost.observe(1, 0.10)
         cost.observe(4, 0.11)
-    assert abs(cost.relative(3) - 1.1) < 1e-9  # 3 new tokens fall in the bucket of 4
+    assert abs(cost.relative(4) - 1.1) < 1e-9
+    assert abs(cost.relative(3) - (CPU_PRIOR[2] + 1.1) / 2) < 1e-9  # halfway between the points 2 and 4
     prior_only = choose_draft(chain([0.4, 0.2]), CostModel(CPU_PRIOR), Calibration())
     assert len(prior_only) == 2  # the prior says 3 tokens cost 1.5x
     assert len(choose_draft(chain([0.4, 0.2]), cost, Calibration())) == 3
+
+
+def test_a_width_between_two_points_is_charged_for_itself() -> None:
+    cost = CostModel(PACKED_CPU_PRIOR)
+    for _ in range(3):
+        cost.observe(1, 0.10)
+        cost.observe(20, 0.20)  # credited to the point 16, scaled by the prior's slope
+    assert abs(cost.relative(20) - 2.0) < 0.1
+    assert cost.relative(16) < cost.relative(20) < cost.relative(24) < cost.relative(32)
+    assert cost.relative(256) == 2 * cost.relative(128)  # past the table: in proportion to the tokens
 
 
 def test_calibration_learns_that_the_trie_is_overconfident() -> None:
