@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 from lookahead.config import LookaheadConfig
 from lookahead.models import DEFAULT_MODEL, DTYPES
 from lookahead.packed_linear import LINEAR_KERNELS
+from lookahead.trie import DEFAULT_MAX_DEPTH, MAX_DEPTH_LIMIT
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 # Folder holding each model's default trie_state_dir (<folder>/<model>); default <repo>/.state.
@@ -44,6 +45,7 @@ class BackendConfig:
     step_token_budget: int
     max_speculative_batch: int
     trie_capacity: int
+    trie_depth: int
     trie_state_dir: Path
     snapshot_interval_s: float
     warmup_corpus: Path | None
@@ -51,11 +53,6 @@ class BackendConfig:
     max_output_tokens: int
     report_custom_metrics: bool
     ignored_parameters: tuple[str, ...] = ()  # set but read by nothing: most likely typos
-
-    @property
-    def trie_depth(self) -> int:
-        """Longest n-gram the trie must hold: a full query context followed by a full branch."""
-        return self.lookahead.max_query_length + self.lookahead.branch_length
 
     @classmethod
     def from_triton_args(cls, args: Mapping[str, str]) -> BackendConfig:
@@ -107,12 +104,17 @@ def parse_parameters(
         lookahead = LookaheadConfig(**lookahead_fields)
     except ValueError as error:
         raise ValueError(f"config.pbtxt parameter {_field_in(error, lookahead_fields)!r}: {error}") from None
-    trie_capacity = read("trie_capacity", _int(minimum=1), 1_000_000)
-    depth = lookahead.max_query_length + lookahead.branch_length
-    if trie_capacity < depth:
+    trie_depth = read("trie_depth", _int(minimum=2), DEFAULT_MAX_DEPTH)
+    if not lookahead.max_query_length < trie_depth <= MAX_DEPTH_LIMIT:
         raise ValueError(
-            "config.pbtxt parameter 'trie_capacity': must be >= max_query_length + branch_length "
-            f"({depth}) to hold one n-gram, got {trie_capacity}"
+            f"config.pbtxt parameter 'trie_depth': must be > max_query_length ({lookahead.max_query_length}) "
+            f"and <= {MAX_DEPTH_LIMIT}, got {trie_depth}"
+        )
+    trie_capacity = read("trie_capacity", _int(minimum=1), 1_000_000)
+    if trie_capacity < trie_depth:
+        raise ValueError(
+            f"config.pbtxt parameter 'trie_capacity': must be >= trie_depth ({trie_depth}) to hold one "
+            f"n-gram, got {trie_capacity}"
         )
     return BackendConfig(
         model=read("model", str, DEFAULT_MODEL),
@@ -124,6 +126,7 @@ def parse_parameters(
         step_token_budget=read("step_token_budget", _int(minimum=1), 128),
         max_speculative_batch=read("max_speculative_batch", _int(minimum=0), 16),
         trie_capacity=trie_capacity,
+        trie_depth=trie_depth,
         trie_state_dir=state_dir,
         snapshot_interval_s=read("snapshot_interval_s", _float(minimum=0.0), 60.0),
         warmup_corpus=read("warmup_corpus", _path(repository), None),

@@ -29,7 +29,7 @@ class LookaheadConfig:
 
     use_lookahead: bool = True
     decoding_length: int = 64
-    branch_length: int = 12
+    branch_length: int = 32
     decoding_mode: str = "hier"
     max_query_length: int = 4
     adaptive: bool = True

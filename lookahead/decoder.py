@@ -29,7 +29,8 @@ from .kv_pool import KVPool
 from .packed_linear import linear_kernel_of
 from .retrieval import retrieve_draft
 from .sampling import TokenSelector
-from .trie import NGramTrie, TrieWriter
+from .spans import SpanIndex
+from .trie import DEFAULT_MAX_DEPTH, NGramTrie, TrieWriter
 from .verify import verify
 
 # The trie's probabilities overstate acceptance about threefold until calibrated: the shared
@@ -91,6 +92,8 @@ class LookaheadDecoder:
         self.eos_token_ids = tuple(eos_token_ids)
         self.step_token_budget = step_token_budget
         self.max_speculative_batch = max_speculative_batch
+        # A request's own trie is as deep as the shared one; copies (spans.py) may draft deeper.
+        self.trie_depth = trie.max_depth if trie is not None else DEFAULT_MAX_DEPTH
         self.device = next(model.parameters()).device
         self.pool = KVPool()
         self.cost = CostModel.for_device(self.device.type, linear_kernel_of(model))
@@ -235,14 +238,16 @@ class Generation:
         self.selector = TokenSelector(params, self.prompt_len, decoder.eos_token_ids, decoder.device)
         self.detokenizer = Detokenizer(decoder.tokenizer, prompt_ids, params.stop)
         self.local: NGramTrie | None = None
+        self.spans: SpanIndex | None = None
         self.writers: list[TrieWriter] = []
         if config.drafting:
-            depth = config.max_query_length + config.branch_length
+            depth = decoder.trie_depth
             self.local = NGramTrie(
                 capacity=(self.prompt_len + params.max_tokens) * depth + 1, max_depth=depth
             )
             self.writers.append(self.local.writer())
             self.writers[-1].feed(prompt_ids)
+            self.spans = SpanIndex(prompt_ids)
         if decoder.trie is not None:
             # The shared trie learns outputs, keyed by the prompt's last tokens so that they can be queried.
             self.writers.append(decoder.trie.writer())
@@ -265,7 +270,7 @@ class Generation:
         if self.in_pool:
             self.decoder.pool.release(self)
             self.in_pool = False
-        self.local, self.writers = None, []
+        self.local, self.spans, self.writers = None, None, []
         if self.finish_reason is None:
             self.finish_reason = "cancelled"
 
@@ -299,6 +304,7 @@ class Generation:
             branch_length=depth,
             mode=self.config.decoding_mode,
             max_query_length=self.config.max_query_length,
+            copy=self.spans.continuation(depth),
         )
         self.stats.retrieval_seconds.append(time.perf_counter() - started)
         return draft
@@ -319,6 +325,8 @@ class Generation:
         self.stats.output_tokens += len(tokens)
         for writer in self.writers:
             writer.feed(tokens[:hit_eos] if hit_eos is not None else tokens)
+        if self.spans is not None:
+            self.spans.extend(tokens)
         text = self.detokenizer.push(tokens)
         if hit_eos is not None or self.detokenizer.stopped:
             self.finish_reason = "stop"

@@ -37,20 +37,25 @@ from collections.abc import Sequence
 
 from .config import DECODING_MODES
 from .draft import Draft
+from .spans import Copy
 from .trie import NO_NODE, NGramTrie
 
 CHILD_LIMIT = 8
 
-# A draft node while building: (token, parent index, probability, local node, shared node, depth).
-_Node = tuple[int, int, float, int, int, int]
+# A draft node while building: (token, parent index, probability, local node, shared node, depth,
+# index of the copy token that would follow it, -1 off the copy's path).
+_Node = tuple[int, int, float, int, int, int, int]
+# A continuation: (conditional probability, token, local child, shared child, child's copy index).
+_Continuation = tuple[float, int, int, int, int]
 
 
 class _MergedView:
-    """Read-only union of the local and the shared trie."""
+    """Read-only union of the local and the shared trie, and the request's copy draft."""
 
-    def __init__(self, local: NGramTrie | None, shared: NGramTrie | None) -> None:
+    def __init__(self, local: NGramTrie | None, shared: NGramTrie | None, copy: Copy | None) -> None:
         self.local = local
         self.shared = shared
+        self.copy = copy
 
     def match(self, query: Sequence[int]) -> tuple[int, int]:
         return (
@@ -65,9 +70,9 @@ class _MergedView:
         )
 
     def continuations(
-        self, local_node: int, shared_node: int, context_len: int
-    ) -> list[tuple[float, int, int, int]]:
-        """(conditional probability, token, local child, shared child) for each child, most recent first."""
+        self, local_node: int, shared_node: int, context_len: int, copy_index: int
+    ) -> list[_Continuation]:
+        """Every child, most recent first; the copy's next token, when on its path, backs off to the tries."""
         # token -> [local child, shared child, local probability, shared probability]
         merged: dict[int, list] = {}
         local_unlisted = shared_unlisted = None
@@ -86,10 +91,19 @@ class _MergedView:
             if shared_unlisted is not None and entry[1] == NO_NODE:
                 entry[1], entry[3] = _lookup(self.shared, shared_node, token, shared_unlisted)
         escape = max(0.0, 1.0 - sum(entry[2] for entry in merged.values()))
-        return [
-            (min(1.0, p_local + escape * p_shared), token, local_child, shared_child)
+        tries = [
+            (min(1.0, p_local + escape * p_shared), token, local_child, shared_child, -1)
             for token, (local_child, shared_child, p_local, p_shared) in merged.items()
         ]
+        if self.copy is None or not 0 <= copy_index < len(self.copy.tokens):
+            return tries
+        copied, p_copy = self.copy.tokens[copy_index], self.copy.conditional(copy_index)
+        kept = [(p * (1.0 - p_copy), token, lc, sc, -1) for p, token, lc, sc, _ in tries if token != copied]
+        p_tries, local_child, shared_child = next(
+            ((p, lc, sc) for p, token, lc, sc, _ in tries if token == copied), (0.0, NO_NODE, NO_NODE)
+        )
+        share = p_copy + (1.0 - p_copy) * p_tries
+        return [(share, copied, local_child, shared_child, copy_index + 1), *kept]
 
 
 def _conditionals(
@@ -119,9 +133,12 @@ def retrieve_draft(
     branch_length: int,
     mode: str = "hier",
     max_query_length: int = 4,
+    copy: Copy | None = None,
 ) -> Draft:
     """The draft to verify after `context`: at most `decoding_length` nodes (root included), depth
     at most `branch_length`, tokens[0] == context[-1]; the bare root when nothing matches.
+    `copy` (see spans.py) continues the request's longest repeat of its latest tokens, also
+    past the tries' depth.
 
     The longest matching query (last k tokens, k <= max_query_length) is tried first; a shorter
     one replaces it only if its draft has a larger expected number of accepted tokens.
@@ -132,22 +149,22 @@ def retrieve_draft(
         raise ValueError(f"mode must be one of {', '.join(DECODING_MODES)}, got {mode!r}")
     root = int(context[-1])
     depth_limit = min(branch_length, decoding_length - 1)
-    if depth_limit <= 0 or (local is None and shared is None):
+    if depth_limit <= 0 or (local is None and shared is None and copy is None):
         return Draft.root_only(root)
-    view = _MergedView(local, shared)
+    view = _MergedView(local, shared, copy)
     best = Draft.root_only(root)
     best_value = 1.0
     previous_counts = None
     for query_len in range(min(max_query_length, len(context)), 0, -1):
         query = context[-query_len:]
         local_node, shared_node = view.match(query)
-        if local_node == NO_NODE and shared_node == NO_NODE:
+        if local_node == NO_NODE and shared_node == NO_NODE and copy is None:
             continue
         counts = view.counts(local_node, shared_node)
         if counts == previous_counts:
             continue  # every occurrence of this query extends the longer one: same evidence, less context
         previous_counts = counts
-        start = (root, -1, 1.0, local_node, shared_node, 0)
+        start = (root, -1, 1.0, local_node, shared_node, 0, 0 if copy is not None else -1)
         if mode == "one":
             nodes = _best_chain(view, start, query_len, depth_limit)
         else:
@@ -169,15 +186,15 @@ def _best_first(
         _, _, node = heapq.heappop(frontier)
         index = len(selected)
         selected.append(node)
-        _, _, prob, local_node, shared_node, depth = node
+        _, _, prob, local_node, shared_node, depth, copy_index = node
         if depth == depth_limit or len(selected) == budget:
             continue
-        for conditional, token, local_child, shared_child in view.continuations(
-            local_node, shared_node, query_len + depth
+        for conditional, token, local_child, shared_child, child_copy in view.continuations(
+            local_node, shared_node, query_len + depth, copy_index
         ):
             child_prob = prob * conditional
             if child_prob > 0.0:
-                child = (token, index, child_prob, local_child, shared_child, depth + 1)
+                child = (token, index, child_prob, local_child, shared_child, depth + 1, child_copy)
                 heapq.heappush(frontier, (-child_prob, pushed, child))
                 pushed += 1
     return selected
@@ -187,14 +204,16 @@ def _best_chain(view: _MergedView, start: _Node, query_len: int, depth_limit: in
     """`one` mode: follow the most probable child at each level."""
     chain = [start]
     while chain[-1][5] < depth_limit:
-        _, _, prob, local_node, shared_node, depth = chain[-1]
-        options = view.continuations(local_node, shared_node, query_len + depth)
+        _, _, prob, local_node, shared_node, depth, copy_index = chain[-1]
+        options = view.continuations(local_node, shared_node, query_len + depth, copy_index)
         if not options:
             break
-        conditional, token, local_child, shared_child = max(options, key=lambda option: option[0])
+        conditional, token, local_child, shared_child, child_copy = max(options, key=lambda option: option[0])
         if conditional <= 0.0:
             break
-        chain.append((token, len(chain) - 1, prob * conditional, local_child, shared_child, depth + 1))
+        chain.append(
+            (token, len(chain) - 1, prob * conditional, local_child, shared_child, depth + 1, child_copy)
+        )
     return chain
 
 

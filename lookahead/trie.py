@@ -55,6 +55,7 @@ DERIVED: dict[str, tuple[str, type]] = {
     "depth": ("b", np.int8),
 }
 MAX_DEPTH_LIMIT = 127  # depths are stored as int8
+DEFAULT_MAX_DEPTH = 16  # a 4-token query and a 12-token branch
 
 
 def _as_tokens(tokens: Sequence[int]) -> list[int]:
@@ -106,7 +107,7 @@ class NGramTrie:
     the virtual root to it, so counts never increase from a node to its children.
     """
 
-    def __init__(self, capacity: int = 1_000_000, max_depth: int = 16) -> None:
+    def __init__(self, capacity: int = 1_000_000, max_depth: int = DEFAULT_MAX_DEPTH) -> None:
         if not 1 <= max_depth <= MAX_DEPTH_LIMIT:
             raise ValueError(f"max_depth must be in [1, {MAX_DEPTH_LIMIT}], got {max_depth}")
         if capacity < max_depth:

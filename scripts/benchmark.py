@@ -153,7 +153,7 @@ def make_runner(
     if method == "prompt_lookup":
         return transformers_runner(loaded, prompt_lookup_num_tokens=PROMPT_LOOKUP_TOKENS)
     config = lookahead_config(method)
-    trie = NGramTrie(capacity=trie_capacity, max_depth=config.max_query_length + config.branch_length)
+    trie = NGramTrie(capacity=trie_capacity)
     for token_ids in warmup_ids:
         trie.insert(token_ids)
     return lookahead_runner(loaded, config, trie)

@@ -11,6 +11,7 @@ import pytest
 from backend.config import PROJECT_ROOT, STATE_DIR_ENV, BackendConfig, parse_parameters
 from lookahead.config import LookaheadConfig
 from lookahead.models import DEFAULT_MODEL
+from lookahead.trie import DEFAULT_MAX_DEPTH
 
 MODEL_REPOSITORY = PROJECT_ROOT / "model_repository"
 
@@ -37,7 +38,7 @@ def test_unset_parameters_take_the_defaults(tmp_path):
     assert config.warmup_corpus is None
     assert config.snapshot_interval_s == 60.0
     assert config.report_custom_metrics is False
-    assert config.trie_depth == LookaheadConfig().max_query_length + LookaheadConfig().branch_length
+    assert config.trie_depth == DEFAULT_MAX_DEPTH
 
 
 @pytest.mark.parametrize("unset", ["", "   ", "${decoding_length}"])
@@ -57,6 +58,7 @@ def test_values_are_parsed_by_type(tmp_path):
         max_query_length="3",
         adaptive="no",
         trie_capacity="5000",
+        trie_depth="7",
         snapshot_interval_s="2.5",
         threads="1",
         dtype="bfloat16",
@@ -131,11 +133,17 @@ def test_invalid_values_name_the_parameter(tmp_path, name, value, problem):
 
 
 def test_the_trie_must_hold_one_full_ngram(tmp_path):
+    with pytest.raises(ValueError, match=r"parameter 'trie_capacity': must be >= trie_depth \(7\)"):
+        parse(tmp_path, trie_capacity="6", trie_depth="7")
+    assert parse(tmp_path, trie_capacity="7", trie_depth="7").trie_capacity == 7
+
+
+@pytest.mark.parametrize("depth", ["4", "128"])
+def test_the_trie_must_be_deeper_than_a_query(tmp_path, depth):
     with pytest.raises(
-        ValueError, match=r"parameter 'trie_capacity': must be >= max_query_length \+ branch_length \(7\)"
+        ValueError, match=r"parameter 'trie_depth': must be > max_query_length \(4\) and <= 127"
     ):
-        parse(tmp_path, trie_capacity="6", max_query_length="3", branch_length="4")
-    assert parse(tmp_path, trie_capacity="7", max_query_length="3", branch_length="4").trie_capacity == 7
+        parse(tmp_path, trie_depth=depth, max_query_length="4")
 
 
 def test_unknown_parameters_are_reported_but_reserved_ones_are_not(tmp_path):

@@ -28,7 +28,7 @@ from lookahead.config import LookaheadConfig, SamplingParams
 from lookahead.decoder import LookaheadDecoder
 from lookahead.models import LoadedModel
 from lookahead.persistence import load_trie
-from lookahead.trie import NGramTrie
+from lookahead.trie import DEFAULT_MAX_DEPTH, NGramTrie
 
 pytestmark = pytest.mark.integration
 
@@ -97,7 +97,7 @@ def expected(default_model: LoadedModel) -> dict[str, Any]:
     decoder = LookaheadDecoder(
         model,
         tokenizer,
-        NGramTrie(capacity=10_000, max_depth=config.max_query_length + config.branch_length),
+        NGramTrie(capacity=10_000),  # the server's default trie_depth
         config,
         default_model.eos_token_ids,
     )
@@ -404,9 +404,10 @@ def test_the_trie_survives_a_restart(tmp_path, default_model):
         cold = [generate(cold_server, "lookahead", body) for _ in range(2)]
     files = sorted(path.name for path in state.iterdir())
     assert files == ["lookahead_0_0.trie", "lookahead_0_1.trie"]
-    depth = LookaheadConfig().max_query_length + LookaheadConfig().branch_length
     for path in state.iterdir():
-        trie = load_trie(path, capacity=200_000, max_depth=depth, fingerprint=default_model.fingerprint)
+        trie = load_trie(
+            path, capacity=200_000, max_depth=DEFAULT_MAX_DEPTH, fingerprint=default_model.fingerprint
+        )
         assert trie.node_count > 0, f"{path.name} learned nothing"
 
     with launch(repository, tmp_path / "warm.log") as warm_server:
