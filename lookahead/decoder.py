@@ -145,9 +145,10 @@ class LookaheadDecoder:
 
     def _decode(self, gens: list[Generation]) -> list[StepOutput]:
         """One forward for `gens`, which hold pool slots 0..k-1 in this order (see KVPool.arrange)."""
-        drafts = [gen._retrieve() for gen in gens]
         if len(gens) > self.max_speculative_batch:
-            drafts = [Draft.root_only(d.tokens[0]) for d in drafts]
+            drafts = [Draft.root_only(gen.ids[-1]) for gen in gens]
+        else:
+            drafts = [gen._retrieve() for gen in gens]
         drafts = plan_step(
             drafts,
             [g.calibration for g in gens],

@@ -99,4 +99,5 @@ def test_speculation_is_switched_off_above_the_batch_threshold(tiny_model, byte_
     while not all(g.finished for g in gens):
         decoder.step([g for g in gens if not g.finished])
     assert all(g.stats.draft_tokens == 0 for g in gens)
+    assert all(not g.stats.retrieval_seconds for g in gens)  # no draft is retrieved only to be dropped
     assert gens[0].output_ids == plain_greedy(model, prompt, 10)
