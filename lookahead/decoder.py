@@ -148,7 +148,9 @@ class LookaheadDecoder:
         if len(gens) > self.max_speculative_batch:
             drafts = [Draft.root_only(gen.ids[-1]) for gen in gens]
         else:
-            drafts = [gen._retrieve() for gen in gens]
+            # The step's budget caps every draft (see plan_step): build no node it would trim.
+            width = max(1, self.step_token_budget // len(gens))
+            drafts = [gen._retrieve(width) for gen in gens]
         drafts = plan_step(
             drafts,
             [g.calibration for g in gens],
@@ -290,8 +292,9 @@ class Generation:
         self.stats.prefill_seconds = time.perf_counter() - started
         return self._commit([token])
 
-    def _retrieve(self) -> Draft:
-        """The full draft this request would like to verify next (the batch plan may trim it)."""
+    def _retrieve(self, max_width: int) -> Draft:
+        """The draft this request would like to verify next, at most max_width nodes (the batch plan
+        may trim it further)."""
         root = self.ids[-1]
         depth = min(self.config.branch_length, self.params.max_tokens - self.stats.output_tokens - 1)
         if not self.config.drafting or depth <= 0:
@@ -301,7 +304,7 @@ class Generation:
             self.ids[-self.config.max_query_length :],
             self.local,
             self.decoder.trie,
-            decoding_length=self.config.decoding_length,
+            decoding_length=min(self.config.decoding_length, max_width),
             branch_length=depth,
             mode=self.config.decoding_mode,
             max_query_length=self.config.max_query_length,
