@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 from pathlib import Path
 from typing import get_type_hints
 
@@ -62,7 +63,17 @@ def test_summary_counts_tokens_from_response_deltas_and_times_from_timestamps() 
     assert point.latency_p50_ms == 500.0  # latencies 400, 500, 600
     assert point.ttft_p50_ms == 200.0  # first responses after 100, 200, 200
     assert point.ttft_p99_ms == pytest.approx(200.0)
+    assert point.ttft_p99_after_burst_ms == 200.0  # only the request sent at 400 came after the burst
     assert point.latency_p99_ms == pytest.approx(598.0)
+
+
+def test_the_opening_burst_is_left_out_of_one_ttft_percentile() -> None:
+    requests = [request(0, [900], [1]), request(0, [100], [1]), request(300, [350], [1])]
+    point = summarize_experiment("lookahead", experiment(2, requests))
+    assert point.ttft_p99_ms > 800  # the second of the two requests sent together
+    assert point.ttft_p99_after_burst_ms == 50.0
+    alone = summarize_experiment("lookahead", experiment(2, requests[:2]))
+    assert math.isnan(alone.ttft_p99_after_burst_ms)
 
 
 def test_token_counts_that_were_not_requested_are_not_trusted() -> None:
