@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from lookahead.config import LookaheadConfig
+from lookahead.decoder import MAX_SPECULATIVE_BATCH
 from lookahead.models import DEFAULT_MODEL, DTYPES
 from lookahead.packed_linear import LINEAR_KERNELS
 from lookahead.trie import DEFAULT_MAX_DEPTH, MAX_DEPTH_LIMIT
@@ -124,7 +125,7 @@ def parse_parameters(
         linear_kernel=read("linear_kernel", _choice(LINEAR_KERNELS), "auto"),
         lookahead=lookahead,
         step_token_budget=read("step_token_budget", _int(minimum=1), 128),
-        max_speculative_batch=read("max_speculative_batch", _int(minimum=0), 16),
+        max_speculative_batch=read("max_speculative_batch", _int(minimum=0), MAX_SPECULATIVE_BATCH),
         trie_capacity=trie_capacity,
         trie_depth=trie_depth,
         trie_state_dir=state_dir,
