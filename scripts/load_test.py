@@ -6,7 +6,8 @@ of every request and the arrival time and outputs of every response. Those give 
 summary lacks for streaming LLMs: time to first token, and output tokens/s from the
 `num_output_tokens` deltas. Prompts are sent as raw text (the server applies no chat template);
 every request generates exactly --max-tokens tokens (ignore_eos), so both models do equal work.
-Each concurrency level sends its own slice of the prompt set. A server started by this script
+Each concurrency level sends its own slice of the prompt set, to each model in turn (the first
+one alternating between levels), so that a compared pair is measured minutes, not a run, apart. A server started by this script
 (--start-server) keeps its trie snapshots under --out/trie_state, emptied first, so every run
 starts from an empty trie unless --warm-trie keeps the last run's; a running server (--url)
 keeps whatever its trie learned before.
@@ -308,12 +309,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     points: list[LoadPoint] = []
     try:
         with server_url(args) as url:
-            for model in args.models:
-                for concurrency in args.concurrency:
+            # The models take turns at each level, the first one alternating: this machine's speed
+            # drifts by 10% over minutes, and a pair measured minutes apart would show the drift.
+            for level, concurrency in enumerate(args.concurrency):
+                turn = args.models if level % 2 == 0 else args.models[::-1]
+                for model in turn:
                     points.append(run_point(args, model, url, concurrency, input_data[concurrency]))
     except (LoadTestError, TritonServerError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
+    points.sort(key=lambda point: args.models.index(point.model))  # the table lists one model, then the next
     table = format_table(points)
     print(table)
     title = f"{args.prompt_set}, {args.prompts} prompts, {args.max_tokens} tokens per request"
