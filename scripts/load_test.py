@@ -7,10 +7,10 @@ summary lacks for streaming LLMs: time to first token, and output tokens/s from 
 `num_output_tokens` deltas. Prompts are sent as raw text (the server applies no chat template);
 every request generates exactly --max-tokens tokens (ignore_eos), so both models do equal work.
 Each concurrency level sends its own slice of the prompt set, to each model in turn (the first
-one alternating between levels), so that a compared pair is measured minutes, not a run, apart. A server started by this script
-(--start-server) keeps its trie snapshots under --out/trie_state, emptied first, so every run
-starts from an empty trie unless --warm-trie keeps the last run's; a running server (--url)
-keeps whatever its trie learned before.
+one alternating between levels), so that a compared pair is measured minutes, not a run, apart.
+A server started by this script (--start-server) keeps its trie snapshots under
+--out/trie_state, emptied first, so every run starts from an empty trie unless --warm-trie keeps
+the last run's; a running server (--url) keeps whatever its trie learned before.
 
     python -m scripts.load_test                     # against a server on localhost:8001
     python -m scripts.load_test --start-server      # start one on free ports for the run
@@ -161,19 +161,27 @@ def run_point(
     command = perf_analyzer_command(args.perf_analyzer, model, url, concurrency, input_data, export, requests)
     print(f"{model}, concurrency {concurrency}, {requests} requests", flush=True)
     log = args.out / f"perf_analyzer_{model}_c{concurrency}.log"
-    for _ in range(2):  # perf_analyzer 2.50 now and then exits 0 leaving an empty export
+    for _ in range(2):  # perf_analyzer 2.50 now and then exits 0 leaving an empty or truncated export
         export.unlink(missing_ok=True)
         finished = subprocess.run(command, capture_output=True, text=True)
         log.write_text(" ".join(command) + "\n" + finished.stdout + finished.stderr, encoding="utf-8")
         if finished.returncode != 0:
             tail = "\n".join((finished.stdout + finished.stderr).splitlines()[-15:])
             raise LoadTestError(f"perf_analyzer exited with {finished.returncode} (log {log}):\n{tail}")
-        text = export.read_text(encoding="utf-8") if export.exists() else ""
-        if text.strip():
-            (point,) = summarize_profile(model, json.loads(text))
+        profile = _read_export(export)
+        if profile is not None:
+            (point,) = summarize_profile(model, profile)
             return point
-        print(f"perf_analyzer left {export} empty; measuring this point again", flush=True)
-    raise LoadTestError(f"perf_analyzer exited 0 twice without writing {export} (log {log})")
+        print(f"perf_analyzer left {export} empty or cut short; measuring this point again", flush=True)
+    raise LoadTestError(f"perf_analyzer exited 0 twice without writing all of {export} (log {log})")
+
+
+def _read_export(path: Path) -> dict[str, Any] | None:
+    """The profile export, or None when perf_analyzer left it missing, empty or truncated."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
 
 
 def format_table(points: Sequence[LoadPoint]) -> str:
