@@ -28,9 +28,10 @@ import json
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, fields
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -154,14 +155,19 @@ def request_count(concurrency: int, minimum: int) -> int:
 
 
 def run_point(
-    args: argparse.Namespace, model: str, url: str, concurrency: int, input_data: Path
+    args: argparse.Namespace, model: str, url: str, concurrency: int, input_data: Callable[[int], Path]
 ) -> LoadPoint:
+    """Measure one point. perf_analyzer 2.50 now and then exits 0 leaving an empty or truncated
+    export; the point is then measured again on `input_data(1)`, prompts the server has not seen,
+    since the lookahead model's trie has learned its answers to the first ones."""
     export = args.out / f"profile_{model}_c{concurrency}.json"
     requests = request_count(concurrency, args.request_count)
-    command = perf_analyzer_command(args.perf_analyzer, model, url, concurrency, input_data, export, requests)
     print(f"{model}, concurrency {concurrency}, {requests} requests", flush=True)
     log = args.out / f"perf_analyzer_{model}_c{concurrency}.log"
-    for _ in range(2):  # perf_analyzer 2.50 now and then exits 0 leaving an empty or truncated export
+    for attempt in range(2):
+        command = perf_analyzer_command(
+            args.perf_analyzer, model, url, concurrency, input_data(attempt), export, requests
+        )
         export.unlink(missing_ok=True)
         finished = subprocess.run(command, capture_output=True, text=True)
         log.write_text(" ".join(command) + "\n" + finished.stdout + finished.stderr, encoding="utf-8")
@@ -172,7 +178,7 @@ def run_point(
         if profile is not None:
             (point,) = summarize_profile(model, profile)
             return point
-        print(f"perf_analyzer left {export} empty or cut short; measuring this point again", flush=True)
+        print(f"perf_analyzer left {export} empty or cut short; measuring again on new prompts", flush=True)
     raise LoadTestError(f"perf_analyzer exited 0 twice without writing all of {export} (log {log})")
 
 
@@ -302,18 +308,20 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    # Each concurrency level gets its own slice of the set, so the lookahead model's trie never
-    # drafts a request from its own earlier answer to the very same prompt (both models see the
-    # same slice at the same level).
     available = load_prompt_set(args.prompt_set).prompts
-    input_data = {
-        concurrency: write_input_data(
-            [available[(level * args.prompts + i) % len(available)] for i in range(args.prompts)],
+    levels = len(args.concurrency)
+
+    def input_data(level: int, attempt: int) -> Path:
+        """Slice level + attempt * levels of the set: each level, and a level measured again, gets
+        prompts of its own, so the lookahead model's trie never drafts a request from its own
+        earlier answer to the very same prompt (both models see the same slice at a level)."""
+        start = (level + attempt * levels) * args.prompts
+        return write_input_data(
+            [available[(start + i) % len(available)] for i in range(args.prompts)],
             args.max_tokens,
-            args.out / f"input_data_c{concurrency}.json",
+            args.out / f"input_data_c{args.concurrency[level]}{'_again' if attempt else ''}.json",
         )
-        for level, concurrency in enumerate(args.concurrency)
-    }
+
     points: list[LoadPoint] = []
     try:
         with server_url(args) as url:
@@ -322,7 +330,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             for level, concurrency in enumerate(args.concurrency):
                 turn = args.models if level % 2 == 0 else args.models[::-1]
                 for model in turn:
-                    points.append(run_point(args, model, url, concurrency, input_data[concurrency]))
+                    points.append(run_point(args, model, url, concurrency, partial(input_data, level)))
     except (LoadTestError, TritonServerError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
