@@ -28,10 +28,9 @@ import json
 import shutil
 import subprocess
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, fields
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -154,32 +153,71 @@ def request_count(concurrency: int, minimum: int) -> int:
     return max(minimum, 2 * concurrency)
 
 
+class PromptSlices:
+    """Disjoint slices of a prompt set as perf_analyzer input files, one per measured level (and per
+    level measured again), so that the lookahead model's trie never drafts a request from its own
+    earlier answer to the very same prompt; both models of a level share its slice."""
+
+    def __init__(self, prompts: Sequence[str], size: int, max_tokens: int, out: Path) -> None:
+        self.prompts, self.size, self.max_tokens, self.out = prompts, size, max_tokens, out
+        self.used = 0
+
+    def next_file(self, concurrency: int) -> Path:
+        if self.used + self.size > len(self.prompts):
+            raise LoadTestError(
+                f"the prompt set has {len(self.prompts)} prompts: not enough for another {self.size} "
+                f"unseen ones (lower --prompts)"
+            )
+        chunk = self.prompts[self.used : self.used + self.size]
+        self.used += self.size
+        return write_input_data(
+            chunk, self.max_tokens, self.out / f"input_data_c{concurrency}_{self.used}.json"
+        )
+
+
 def run_point(
-    args: argparse.Namespace, model: str, url: str, concurrency: int, input_data: Callable[[int], Path]
-) -> LoadPoint:
-    """Measure one point. perf_analyzer 2.50 now and then exits 0 leaving an empty or truncated
-    export; the point is then measured again on `input_data(1)`, prompts the server has not seen,
-    since the lookahead model's trie has learned its answers to the first ones."""
+    args: argparse.Namespace, model: str, url: str, concurrency: int, input_data: Path
+) -> LoadPoint | None:
+    """One model at one level; None when perf_analyzer exited 0 but left its export empty or cut
+    short, which perf_analyzer 2.50 now and then does."""
     export = args.out / f"profile_{model}_c{concurrency}.json"
     requests = request_count(concurrency, args.request_count)
     print(f"{model}, concurrency {concurrency}, {requests} requests", flush=True)
     log = args.out / f"perf_analyzer_{model}_c{concurrency}.log"
-    for attempt in range(2):
-        command = perf_analyzer_command(
-            args.perf_analyzer, model, url, concurrency, input_data(attempt), export, requests
-        )
-        export.unlink(missing_ok=True)
-        finished = subprocess.run(command, capture_output=True, text=True)
-        log.write_text(" ".join(command) + "\n" + finished.stdout + finished.stderr, encoding="utf-8")
-        if finished.returncode != 0:
-            tail = "\n".join((finished.stdout + finished.stderr).splitlines()[-15:])
-            raise LoadTestError(f"perf_analyzer exited with {finished.returncode} (log {log}):\n{tail}")
-        profile = _read_export(export)
-        if profile is not None:
-            (point,) = summarize_profile(model, profile)
-            return point
-        print(f"perf_analyzer left {export} empty or cut short; measuring again on new prompts", flush=True)
-    raise LoadTestError(f"perf_analyzer exited 0 twice without writing all of {export} (log {log})")
+    command = perf_analyzer_command(args.perf_analyzer, model, url, concurrency, input_data, export, requests)
+    export.unlink(missing_ok=True)
+    finished = subprocess.run(command, capture_output=True, text=True)
+    log.write_text(" ".join(command) + "\n" + finished.stdout + finished.stderr, encoding="utf-8")
+    if finished.returncode != 0:
+        tail = "\n".join((finished.stdout + finished.stderr).splitlines()[-15:])
+        raise LoadTestError(f"perf_analyzer exited with {finished.returncode} (log {log}):\n{tail}")
+    profile = _read_export(export)
+    if profile is None:
+        print(f"perf_analyzer left {export} empty or cut short", flush=True)
+        return None
+    (point,) = summarize_profile(model, profile)
+    return point
+
+
+def run_level(args: argparse.Namespace, url: str, level: int, slices: PromptSlices) -> list[LoadPoint]:
+    """Every model at one level, taking turns, the first one alternating between levels: this
+    machine's speed drifts by 10% over minutes, and a pair measured minutes apart shows the drift.
+    When a point is lost, the whole level is measured again on new prompts: the lookahead model's
+    trie has learned its answers to the first ones, and a pair must share its prompts."""
+    concurrency = args.concurrency[level]
+    turn = args.models if level % 2 == 0 else args.models[::-1]
+    for _ in range(2):
+        input_data = slices.next_file(concurrency)
+        points = []
+        for model in turn:
+            point = run_point(args, model, url, concurrency, input_data)
+            if point is None:
+                break
+            points.append(point)
+        else:
+            return points
+        print(f"measuring concurrency {concurrency} again on new prompts", flush=True)
+    raise LoadTestError(f"perf_analyzer left an unusable export twice at concurrency {concurrency}")
 
 
 def _read_export(path: Path) -> dict[str, Any] | None:
@@ -290,7 +328,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--models", nargs="+", default=list(MODELS))
     parser.add_argument("--concurrency", type=parse_concurrency, default=(1, 2, 4, 8), help="e.g. 1,2,4,8")
     parser.add_argument("--prompt-set", default="humaneval", choices=PROMPT_SET_NAMES)
-    parser.add_argument("--prompts", type=int, default=32, help="first N prompts of the set")
+    parser.add_argument(
+        "--prompts", type=int, default=16, help="prompts per level, each level its own (HumanEval has 82)"
+    )
     parser.add_argument("--max-tokens", type=int, default=128, help="tokens generated per request")
     parser.add_argument(
         "--request-count", type=int, default=16, help="requests per point (at least 2 x concurrency)"
@@ -308,29 +348,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    available = load_prompt_set(args.prompt_set).prompts
-    levels = len(args.concurrency)
-
-    def input_data(level: int, attempt: int) -> Path:
-        """Slice level + attempt * levels of the set: each level, and a level measured again, gets
-        prompts of its own, so the lookahead model's trie never drafts a request from its own
-        earlier answer to the very same prompt (both models see the same slice at a level)."""
-        start = (level + attempt * levels) * args.prompts
-        return write_input_data(
-            [available[(start + i) % len(available)] for i in range(args.prompts)],
-            args.max_tokens,
-            args.out / f"input_data_c{args.concurrency[level]}{'_again' if attempt else ''}.json",
-        )
-
+    slices = PromptSlices(load_prompt_set(args.prompt_set).prompts, args.prompts, args.max_tokens, args.out)
     points: list[LoadPoint] = []
     try:
         with server_url(args) as url:
-            # The models take turns at each level, the first one alternating: this machine's speed
-            # drifts by 10% over minutes, and a pair measured minutes apart would show the drift.
-            for level, concurrency in enumerate(args.concurrency):
-                turn = args.models if level % 2 == 0 else args.models[::-1]
-                for model in turn:
-                    points.append(run_point(args, model, url, concurrency, partial(input_data, level)))
+            for level in range(len(args.concurrency)):
+                points.extend(run_level(args, url, level, slices))
     except (LoadTestError, TritonServerError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1

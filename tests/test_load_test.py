@@ -14,6 +14,7 @@ from scripts.load_test import (
     QUICK,
     LoadPoint,
     LoadTestError,
+    PromptSlices,
     format_table,
     main,
     perf_analyzer_command,
@@ -127,6 +128,15 @@ def test_input_data_asks_for_token_counts(tmp_path: Path) -> None:
         assert entry["return_num_output_tokens"] == [True]
         assert entry["stream"] == [True]
         assert json.loads(entry["sampling_parameters"][0])["max_tokens"] == 20
+
+
+def test_every_slice_of_prompts_is_new_and_they_run_out_loudly(tmp_path: Path) -> None:
+    slices = PromptSlices([f"p{i}" for i in range(5)], 2, 8, tmp_path)
+    files = [slices.next_file(1), slices.next_file(1)]
+    sent = [[entry["text_input"][0] for entry in json.loads(f.read_text())["data"]] for f in files]
+    assert sent == [["p0", "p1"], ["p2", "p3"]]
+    with pytest.raises(LoadTestError, match="5 prompts: not enough for another 2 unseen ones"):
+        slices.next_file(2)
 
 
 def test_report_files(tmp_path: Path) -> None:
