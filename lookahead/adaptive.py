@@ -5,7 +5,7 @@ nearly flat up to tens of tokens; on a small CPU it doubles by q=16 (see CPU_PRI
 A draft whose nodes are reached with probabilities p_i yields 1 + sum(p_i) tokens in
 expectation. We keep the top-m nodes by probability (a connected subtree, since probabilities
 never grow along a path) for the m that maximises (1 + c * sum p) / cost(m + 1), where c
-calibrates the trie's probability estimates against what the model actually accepted. m = 0
+calibrates the draft's probability estimates against what the model actually accepted. m = 0
 is a plain decoding step. Both cost(q) and c are learned online from real steps. A batched step
 applies the same rule to the whole batch (see plan_step).
 """
