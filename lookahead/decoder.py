@@ -26,6 +26,7 @@ from .config import LookaheadConfig, SamplingParams
 from .detokenizer import Detokenizer
 from .draft import Draft
 from .kv_pool import KVPool
+from .models import plain_output_layer
 from .packed_linear import linear_kernel_of
 from .retrieval import retrieve_draft
 from .sampling import TokenSelector
@@ -101,6 +102,7 @@ class LookaheadDecoder:
         self.device = next(model.parameters()).device
         self.pool = KVPool()
         self.cost = CostModel.for_device(self.device.type, linear_kernel_of(model))
+        self.head_of_hidden = plain_output_layer(model)
         self.calibration = Calibration(INITIAL_CALIBRATION)
 
     def start(
@@ -166,8 +168,8 @@ class LookaheadDecoder:
         lengths = [len(gen.ids) - 1 for gen in gens]
         logits = self.forward_drafts(drafts, lengths)
         verdicts = [
-            verify(draft, logits[i, : len(draft)], torch.tensor(gen.ids, device=logits.device), gen.selector)
-            for i, (gen, draft) in enumerate(zip(gens, drafts))
+            verify(draft, rows, torch.tensor(gen.ids, device=rows.device), gen.selector)
+            for gen, draft, rows in zip(gens, drafts, logits)
         ]
         self.pool.compact(
             [
@@ -191,8 +193,8 @@ class LookaheadDecoder:
             outputs.append(gen._commit(verdict.tokens))
         return outputs
 
-    def forward_drafts(self, drafts: list[Draft], lengths: list[int]) -> torch.Tensor:
-        """Logits [k, width, vocab]: pool slot i's draft fed after its lengths[i] cached entries.
+    def forward_drafts(self, drafts: list[Draft], lengths: list[int]) -> list[torch.Tensor]:
+        """Logits [len(drafts[i]), vocab] of pool slot i's draft, fed after its lengths[i] cached entries.
 
         Writes the drafts' KV entries but commits nothing, so the same call can be repeated.
         """
@@ -211,15 +213,21 @@ class LookaheadDecoder:
             visible[i, padding, length + padding] = True  # padding rows see only themselves
         dtype = self.model.dtype
         mask = torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, torch.finfo(dtype).min)
-        cache = self.pool.step_cache(lengths, width)
-        out = self.model(
-            input_ids=ids.to(self.device),
-            position_ids=positions.to(self.device),
-            attention_mask=mask[:, None].to(self.device),
-            cache=cache,
-            use_cache=True,
-        )
-        return out.logits
+        inputs = {
+            "input_ids": ids.to(self.device),
+            "position_ids": positions.to(self.device),
+            "attention_mask": mask[:, None].to(self.device),
+            "cache": self.pool.step_cache(lengths, width),
+            "use_cache": True,
+        }
+        sizes = [len(d) for d in drafts]
+        if self.head_of_hidden is None or sum(sizes) == k * width:
+            logits = self.model(**inputs).logits
+            return [row[:n] for row, n in zip(logits, sizes)]
+        # The padding rows' logits would never be read: run the output layer on the real rows only.
+        hidden = self.model.get_decoder()(**inputs).last_hidden_state
+        rows = torch.cat([hidden[i, :n] for i, n in enumerate(sizes)])
+        return list(self.head_of_hidden(rows).split(sizes))
 
 
 class Generation:

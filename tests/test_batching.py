@@ -5,8 +5,9 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
-from lookahead import LookaheadConfig, LookaheadDecoder, NGramTrie, SamplingParams
+from lookahead import Draft, LookaheadConfig, LookaheadDecoder, NGramTrie, SamplingParams
 from tests.conftest import LINEAR_KERNELS
 from tests.test_decoder import plain_greedy, repetitive_prompt
 
@@ -101,3 +102,23 @@ def test_speculation_is_switched_off_above_the_batch_threshold(tiny_model, byte_
     assert all(g.stats.draft_tokens == 0 for g in gens)
     assert all(not g.stats.retrieval_seconds for g in gens)  # no draft is retrieved only to be dropped
     assert gens[0].output_ids == plain_greedy(model, prompt, 10)
+
+
+@pytest.mark.parametrize("kernel", LINEAR_KERNELS)
+def test_padding_rows_skip_the_output_layer_and_no_logit_changes(kernel, tiny_model, byte_tokenizer) -> None:
+    decoder = LookaheadDecoder(tiny_model("llama", linear_kernel=kernel), byte_tokenizer)
+    assert decoder.head_of_hidden is not None
+    gens = [
+        decoder.start(prompt, SamplingParams(max_tokens=8)) for prompt in ([5, 6, 7], [9, 10, 11, 12, 13])
+    ]
+    decoder.step(gens)  # prefill: slots 0 and 1
+    drafts = [Draft([gens[0].ids[-1], 1, 2, 3], [-1, 0, 1, 1]), Draft.root_only(gens[1].ids[-1])]
+    lengths = [len(gen.ids) - 1 for gen in gens]
+    with torch.inference_mode():
+        ragged = decoder.forward_drafts(drafts, lengths)
+        decoder.head_of_hidden = None  # the model's own forward: logits for the padding rows too
+        padded = decoder.forward_drafts(drafts, lengths)
+    assert [rows.shape[0] for rows in ragged] == [4, 1]
+    exact = kernel == "packed"  # the packed kernel's rows do not depend on how many share a call
+    for mine, theirs in zip(ragged, padded):
+        torch.testing.assert_close(mine, theirs, rtol=0 if exact else 1e-5, atol=0 if exact else 1e-5)

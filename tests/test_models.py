@@ -22,6 +22,7 @@ from lookahead.models import (
     check_tree_attention,
     eos_token_ids,
     load_model,
+    plain_output_layer,
 )
 from tests.conftest import TINY_ARCHITECTURES
 
@@ -87,6 +88,27 @@ def test_tree_attention_refuses_a_model_that_ignores_the_mask(tiny_model, archit
 def test_tree_attention_reports_a_model_that_rejects_the_mask(tiny_model) -> None:
     with pytest.raises(UnsupportedModelError, match="failed a tree forward.*attention_mask must be 2-D"):
         check_tree_attention(FourDimensionalMaskRefusingModel(tiny_model("llama")))
+
+
+@pytest.mark.parametrize("architecture", TINY_ARCHITECTURES)
+def test_the_output_layer_is_used_alone_where_logits_are_plain(tiny_model, architecture: str) -> None:
+    model = tiny_model(architecture)
+    assert plain_output_layer(model) is model.get_output_embeddings()
+
+
+def test_logits_changed_after_the_output_layer_keep_the_models_own_forward(tiny_model) -> None:
+    model = tiny_model("llama")
+
+    def soft_cap(module: Any, args: Any, output: Any) -> Any:
+        output.logits = 30.0 * torch.tanh(output.logits / 30.0)
+        return output
+
+    handle = model.register_forward_hook(soft_cap)
+    try:
+        assert plain_output_layer(model) is None
+    finally:
+        handle.remove()
+    assert plain_output_layer(model) is not None
 
 
 def test_load_model_reads_a_local_folder(model_folder: Path) -> None:
