@@ -72,8 +72,8 @@ class CostModel:
         old = self.seconds.get(point)
         self.seconds[point] = seconds if old is None else old + _EMA * (seconds - old)
         if 1 in self.seconds:  # measured points where both were seen, else the prior's
-            for point, seconds in self.seconds.items():
-                self._relative[point] = max(seconds / self.seconds[1], 1.0)
+            for measured, average in self.seconds.items():
+                self._relative[measured] = max(average / self.seconds[1], 1.0)
 
     def relative(self, q: int) -> float:
         """cost(q) / cost(1)."""

@@ -24,6 +24,11 @@ A node's probability is the product of conditionals on its path: the root has 1.
 increase along a path, and the probabilities of one depth sum to at most 1, so sum(probs) - 1 is
 the expected number of accepted draft tokens if the estimates are right.
 
+A copy (spans.py: what followed the longest earlier repeat of the request's latest tokens) is
+stronger evidence still and backs off the same way: on the copy's path, its next token c gets
+p_copy + (1 - p_copy) * p(c | u) and every other child (1 - p_copy) * p(t | u). The copy's path
+goes on below the tries' depth, alone.
+
 `hier` selects nodes best-first by that probability: the top nodes of a tree whose values never
 increase downwards form a connected subtree, and they maximise the expected accepted tokens for
 the budget. Children are enumerated from each trie's most recently used end, at most
