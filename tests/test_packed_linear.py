@@ -61,9 +61,9 @@ def test_each_rows_result_does_not_depend_on_the_other_rows(weight_kind: str) ->
     linear.weight.data.copy_(weight)
     packed = PackedLinear.from_linear(linear)
     assert packed.weights.int8 == (weight_kind == "int8")
-    x = torch.randn(40, 128)  # 40 rows: several row tiles
+    x = torch.randn(100, 128)  # 100 rows: 9 row tiles, enough for int8 blocks to be rebuilt once
     together = packed(x)
-    for count in (1, 2, 5, 16, 33):
+    for count in (1, 2, 5, 16, 33, 99):
         assert torch.equal(packed(x[:count]), together[:count]), f"{count} rows"
     assert torch.equal(torch.stack([packed(row[None])[0] for row in x]), together)
 
@@ -76,11 +76,13 @@ def test_int8_form_rebuilds_dequantised_weights_bit_for_bit(bits: int) -> None:
     q, d, m = blocks
     rebuilt = d.repeat_interleave(32, dim=1) * q.float() + m.repeat_interleave(32, dim=1)
     assert torch.equal(rebuilt.view(torch.int32), weight.view(torch.int32))
-    # The kernel on the int8 form returns exactly what it returns on the fp32 form.
+    # The kernel on the int8 form returns exactly what it returns on the fp32 form, with weights
+    # rebuilt as they stream (few row tiles) or once per group of blocks (many, here 10).
     extension = _extension()
-    x = torch.randn(9, 96)
-    int8 = extension.int8_linear(x, *(_pack_columns(t) for t in (q, d, m)), 64)
-    assert torch.equal(int8, extension.fp32_linear(x, _pack_columns(weight), 64))
+    for rows in (9, 30, 120):
+        x = torch.randn(rows, 96)
+        int8 = extension.int8_linear(x, *(_pack_columns(t) for t in (q, d, m)), 64)
+        assert torch.equal(int8, extension.fp32_linear(x, _pack_columns(weight), 64)), f"{rows} rows"
 
 
 def test_ordinary_weights_stay_fp32() -> None:

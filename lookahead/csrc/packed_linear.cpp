@@ -20,6 +20,8 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
+#include <vector>
 
 namespace {
 
@@ -28,6 +30,10 @@ constexpr int64_t kGroup = 32;    // inputs sharing one (d, m) in Int8Weights
 constexpr int64_t kBlocks = 2;    // blocks per tile
 constexpr int64_t kFewRows = 4, kWideBlocks = 4;  // up to 4 rows: 4 blocks per tile
 constexpr int64_t kMaxRows = 12;  // 12 rows x 2 blocks = 24 accumulators, room left for the weights
+// From this many row tiles on, int8 blocks are rebuilt once per group rather than in every tile:
+// measured, a 256-token prefill 305 -> 276 ms; at 2-3 tiles (16-32 rows) writing and re-reading
+// the rebuilt copy cost more than it saved (lm_head, 16 rows: 4.1 -> 5.3 ms), at 6 it was even.
+constexpr int64_t kRebuildTiles = 8;
 
 struct Fp32Weights {
   const float* w;  // [blocks][K][16]
@@ -109,21 +115,49 @@ void tile_rows(int rows, const float* x, const Weights& w, float* y, int64_t ldy
 
 // Tiles of `Blocks` blocks; the caller picks Blocks so that rows x Blocks accumulators keep
 // enough independent FMA chains in flight.
+// Int8 blocks of a group that several row tiles read, rebuilt once into fp32: the same
+// fl(fl(d * q) + m) values load() computes, so every result keeps its bits, and the tiles then
+// spend their cycles on multiply-adds rather than on rebuilding the same weights again.
+inline Fp32Weights rebuilt(const Int8Weights& w, int64_t blocks, float* scratch) {
+  for (int64_t j = 0; j < blocks; ++j)
+    for (int64_t k = 0; k < w.K; ++k) _mm512_storeu_ps(scratch + (j * w.K + k) * kLanes, w.load(j, k));
+  return {scratch, w.K};
+}
+
 template <int Blocks, class Weights>
 void linear_tiles(const float* xp, const Weights& weights, int64_t blocks, float* yp, int64_t M, int64_t N) {
   const int64_t K = weights.K;
   const int64_t tiles = (M + kMaxRows - 1) / kMaxRows;
   const int64_t rows_per_tile = (M + tiles - 1) / tiles;  // balanced: 16 rows are 8 + 8, not 12 + 4
   const int64_t groups = (blocks + Blocks - 1) / Blocks;
+  constexpr bool kInt8 = std::is_same_v<Weights, Int8Weights>;
   at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+    const bool rebuild = kInt8 && tiles >= kRebuildTiles;
+    std::vector<float> scratch(rebuild ? Blocks * K * kLanes : 0);
     for (int64_t g = begin; g < end; ++g) {
       const int64_t b = g * Blocks;
+      const int64_t width = std::min<int64_t>(Blocks, blocks - b);
+      if constexpr (kInt8) {
+        if (rebuild) {
+          const Fp32Weights w = rebuilt(weights.at(b), width, scratch.data());
+          for (int64_t m0 = 0; m0 < M; m0 += rows_per_tile) {
+            const int rows = static_cast<int>(std::min(rows_per_tile, M - m0));
+            if (width == Blocks) {
+              tile_rows<Blocks, Fp32Weights>(rows, xp + m0 * K, w, yp + m0 * N, N, b * kLanes, N, nullptr);
+            } else {
+              for (int64_t j = 0; j < width; ++j)  // the last, narrower group
+                tile_rows<1, Fp32Weights>(rows, xp + m0 * K, w.at(j), yp + m0 * N, N, (b + j) * kLanes, N, nullptr);
+            }
+          }
+          continue;
+        }
+      }
       const Weights w = weights.at(b), next = weights.at(b + Blocks);
       for (int64_t m0 = 0; m0 < M; m0 += rows_per_tile) {
         const int rows = static_cast<int>(std::min(rows_per_tile, M - m0));
         // The first pass pulls the next group into L2 (the later ones find this group there).
         const Weights* prefetch = m0 == 0 && g + 1 < end ? &next : nullptr;
-        if (blocks - b >= Blocks) {
+        if (width == Blocks) {
           tile_rows<Blocks>(rows, xp + m0 * K, w, yp + m0 * N, N, b * kLanes, N, prefetch);
         } else {
           for (int64_t j = b; j < blocks; ++j)  // the last, narrower group
