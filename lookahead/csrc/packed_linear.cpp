@@ -31,7 +31,7 @@ constexpr int64_t kBlocks = 2;    // blocks per tile
 constexpr int64_t kFewRows = 4, kWideBlocks = 4;  // up to 4 rows: 4 blocks per tile
 constexpr int64_t kMaxRows = 12;  // 12 rows x 2 blocks = 24 accumulators, room left for the weights
 // From this many row tiles on, int8 blocks are rebuilt once per group rather than in every tile:
-// measured, a 256-token prefill 305 -> 276 ms; at 2-3 tiles (16-32 rows) writing and re-reading
+// measured, a 256-token prefill 305 -> 270 ms; at 2-3 tiles (16-32 rows) writing and re-reading
 // the rebuilt copy cost more than it saved (lm_head, 16 rows: 4.1 -> 5.3 ms), at 6 it was even.
 constexpr int64_t kRebuildTiles = 8;
 
@@ -113,8 +113,6 @@ void tile_rows(int rows, const float* x, const Weights& w, float* y, int64_t ldy
   }
 }
 
-// Tiles of `Blocks` blocks; the caller picks Blocks so that rows x Blocks accumulators keep
-// enough independent FMA chains in flight.
 // Int8 blocks of a group that several row tiles read, rebuilt once into fp32: the same
 // fl(fl(d * q) + m) values load() computes, so every result keeps its bits, and the tiles then
 // spend their cycles on multiply-adds rather than on rebuilding the same weights again.
@@ -124,46 +122,47 @@ inline Fp32Weights rebuilt(const Int8Weights& w, int64_t blocks, float* scratch)
   return {scratch, w.K};
 }
 
+// Every row tile of one group: `width` (<= Blocks) blocks from block b0, held by `w`. The first
+// tile pulls `next`, the following group, into L2 (the later tiles find this group there).
+template <int Blocks, class Weights>
+void group_tiles(const float* xp, const Weights& w, int64_t width, int64_t b0, float* yp, int64_t M,
+                 int64_t N, int64_t rows_per_tile, const Weights* next) {
+  const int64_t K = w.K;
+  for (int64_t m0 = 0; m0 < M; m0 += rows_per_tile) {
+    const int rows = static_cast<int>(std::min(rows_per_tile, M - m0));
+    if (width == Blocks) {
+      tile_rows<Blocks, Weights>(rows, xp + m0 * K, w, yp + m0 * N, N, b0 * kLanes, N, m0 == 0 ? next : nullptr);
+    } else {
+      for (int64_t j = 0; j < width; ++j)  // the last, narrower group
+        tile_rows<1, Weights>(rows, xp + m0 * K, w.at(j), yp + m0 * N, N, (b0 + j) * kLanes, N, nullptr);
+    }
+  }
+}
+
+// Groups of `Blocks` blocks, split between threads; the caller picks Blocks so that rows x Blocks
+// accumulators keep enough independent FMA chains in flight.
 template <int Blocks, class Weights>
 void linear_tiles(const float* xp, const Weights& weights, int64_t blocks, float* yp, int64_t M, int64_t N) {
-  const int64_t K = weights.K;
   const int64_t tiles = (M + kMaxRows - 1) / kMaxRows;
   const int64_t rows_per_tile = (M + tiles - 1) / tiles;  // balanced: 16 rows are 8 + 8, not 12 + 4
   const int64_t groups = (blocks + Blocks - 1) / Blocks;
   constexpr bool kInt8 = std::is_same_v<Weights, Int8Weights>;
+  const bool rebuild = kInt8 && tiles >= kRebuildTiles;
   at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
-    const bool rebuild = kInt8 && tiles >= kRebuildTiles;
-    std::vector<float> scratch(rebuild ? Blocks * K * kLanes : 0);
+    std::vector<float> scratch(rebuild ? Blocks * weights.K * kLanes : 0);
     for (int64_t g = begin; g < end; ++g) {
-      const int64_t b = g * Blocks;
-      const int64_t width = std::min<int64_t>(Blocks, blocks - b);
+      const int64_t b0 = g * Blocks;
+      const int64_t width = std::min<int64_t>(Blocks, blocks - b0);
       if constexpr (kInt8) {
         if (rebuild) {
-          const Fp32Weights w = rebuilt(weights.at(b), width, scratch.data());
-          for (int64_t m0 = 0; m0 < M; m0 += rows_per_tile) {
-            const int rows = static_cast<int>(std::min(rows_per_tile, M - m0));
-            if (width == Blocks) {
-              tile_rows<Blocks, Fp32Weights>(rows, xp + m0 * K, w, yp + m0 * N, N, b * kLanes, N, nullptr);
-            } else {
-              for (int64_t j = 0; j < width; ++j)  // the last, narrower group
-                tile_rows<1, Fp32Weights>(rows, xp + m0 * K, w.at(j), yp + m0 * N, N, (b + j) * kLanes, N, nullptr);
-            }
-          }
+          const Fp32Weights w = rebuilt(weights.at(b0), width, scratch.data());
+          group_tiles<Blocks, Fp32Weights>(xp, w, width, b0, yp, M, N, rows_per_tile, nullptr);
           continue;
         }
       }
-      const Weights w = weights.at(b), next = weights.at(b + Blocks);
-      for (int64_t m0 = 0; m0 < M; m0 += rows_per_tile) {
-        const int rows = static_cast<int>(std::min(rows_per_tile, M - m0));
-        // The first pass pulls the next group into L2 (the later ones find this group there).
-        const Weights* prefetch = m0 == 0 && g + 1 < end ? &next : nullptr;
-        if (width == Blocks) {
-          tile_rows<Blocks>(rows, xp + m0 * K, w, yp + m0 * N, N, b * kLanes, N, prefetch);
-        } else {
-          for (int64_t j = b; j < blocks; ++j)  // the last, narrower group
-            tile_rows<1, Weights>(rows, xp + m0 * K, weights.at(j), yp + m0 * N, N, j * kLanes, N, nullptr);
-        }
-      }
+      const Weights next = weights.at(b0 + Blocks);
+      const Weights* prefetch = g + 1 < end ? &next : nullptr;
+      group_tiles<Blocks, Weights>(xp, weights.at(b0), width, b0, yp, M, N, rows_per_tile, prefetch);
     }
   });
 }
