@@ -248,12 +248,11 @@ def plain_output_layer(model: Any) -> Any | None:
         if decoder is None or head is None or decoder is model:
             return None
         embeddings = model.get_input_embeddings()
-        ids = torch.tensor(
-            [[t % embeddings.num_embeddings for t in (11, 12, 13)]], device=embeddings.weight.device
-        )
+        tokens, device = [t % embeddings.num_embeddings for t in (11, 12, 13)], embeddings.weight.device
         with torch.inference_mode():
-            full = model(input_ids=ids, use_cache=False).logits
-            split = head(decoder(input_ids=ids, use_cache=False).last_hidden_state)
+            full = _plain_logits(model, tokens, device)
+            ids = torch.tensor([tokens], device=device)
+            split = head(decoder(input_ids=ids, use_cache=False).last_hidden_state)[0]
     except Exception:  # a model without a separable decoder and head: keep its own forward
         return None
     return head if full.shape == split.shape and torch.equal(full, split) else None
