@@ -27,6 +27,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers reads it: ne
 import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache  # noqa: E402
 
+from lookahead.attention import use_grouped_sdpa  # noqa: E402
 from lookahead.packed_linear import apply_linear_kernel, build_packed_kernel  # noqa: E402
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -168,6 +169,7 @@ def load_model(
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, local_files_only=True)
     model.to(device).eval()
+    use_grouped_sdpa(model)
     kernel = apply_linear_kernel(model, linear_kernel)
     name = DEFAULT_MODEL if name_or_path == DEFAULT_MODEL else path.resolve().name
     return LoadedModel(

@@ -9,6 +9,7 @@ import pytest
 import torch
 from transformers import CONFIG_MAPPING, AutoModelForCausalLM
 
+from lookahead.attention import use_grouped_sdpa
 from lookahead.models import DEFAULT_MODEL, LoadedModel, load_model
 from lookahead.packed_linear import apply_linear_kernel, cpu_has_avx512
 
@@ -39,12 +40,14 @@ LINEAR_KERNELS = (
 def build_tiny_model(
     architecture: str = "llama", linear_kernel: str = "stock", **config_overrides: Any
 ) -> Any:
-    """A float32 model in eval mode whose weights depend only on the architecture and config."""
+    """A float32 model in eval mode whose weights depend only on the architecture and config, set
+    up as load_model sets up a real one."""
     if architecture not in TINY_ARCHITECTURES:
         raise ValueError(f"architecture must be one of {', '.join(TINY_ARCHITECTURES)}, got {architecture!r}")
     config = CONFIG_MAPPING[architecture](**{**_TINY_CONFIG, **config_overrides})
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    use_grouped_sdpa(model)
     apply_linear_kernel(model, linear_kernel)
     return model
 
