@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from transformers import DynamicCache
 
 from .adaptive import Calibration, CostModel, plan_step
 from .config import LookaheadConfig, SamplingParams
@@ -28,11 +27,12 @@ from .draft import Draft
 from .kv_pool import KVPool
 from .models import plain_output_layer
 from .packed_linear import linear_kernel_of
+from .prefix_cache import PrefixCache
 from .retrieval import retrieve_draft
 from .sampling import TokenSelector
 from .spans import SpanIndex
 from .trie import DEFAULT_MAX_DEPTH, NGramTrie, TrieWriter
-from .verify import verify
+from .verify import Verdict, verify
 
 # The trie's probabilities overstate acceptance about threefold until calibrated: the shared
 # ratio converged to 0.3-0.4 on every benchmark set, so a cold decoder starts there.
@@ -42,6 +42,9 @@ _REQUEST_CALIBRATION_RATE = 0.3  # a request's own acceptance history outweighs 
 # plain step of 8 rows costs only 1.46x one row: 16 HumanEval requests, 8 at a time, ran 9% slower
 # drafting than plain; at 4 at a time both broke even (in-process, same run). A GPU can afford more.
 MAX_SPECULATIVE_BATCH = 4
+# Prompt tokens whose KV the decoder keeps for later prompts with the same prefix: 94 MB of fp32
+# KV for the default model, enough for its chat system prompt and the last several conversations.
+PREFIX_CACHE_TOKENS = 2048
 
 
 @dataclass
@@ -55,6 +58,7 @@ class StepOutput:
 class GenerationStats:
     prompt_tokens: int
     output_tokens: int = 0
+    cached_prompt_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     steps: int = 0  # decoding forwards after the prefill
     draft_tokens: int = 0  # draft tokens fed (roots excluded)
     accepted_draft_tokens: int = 0
@@ -77,6 +81,7 @@ class LookaheadDecoder:
 
     step_token_budget: most tokens fed per batched forward (roots included); drafts shrink as
     the batch grows. max_speculative_batch: above this many running requests, decode plainly.
+    prefix_cache_tokens: bound of the prefix cache (prefix_cache.py); 0 turns it off.
     """
 
     def __init__(
@@ -89,6 +94,7 @@ class LookaheadDecoder:
         *,
         step_token_budget: int = 128,
         max_speculative_batch: int = MAX_SPECULATIVE_BATCH,
+        prefix_cache_tokens: int = PREFIX_CACHE_TOKENS,
     ):
         self.model = model
         self.tokenizer = tokenizer
@@ -101,6 +107,7 @@ class LookaheadDecoder:
         self.trie_depth = trie.max_depth if trie is not None else DEFAULT_MAX_DEPTH
         self.device = next(model.parameters()).device
         self.pool = KVPool()
+        self.prefix_cache = PrefixCache(prefix_cache_tokens)
         self.cost = CostModel.for_device(self.device.type, linear_kernel_of(model))
         self.head_of_hidden = plain_output_layer(model)
         self.calibration = Calibration(INITIAL_CALIBRATION)
@@ -184,12 +191,9 @@ class LookaheadDecoder:
         self.cost.observe(len(gens) * width, elapsed)
         outputs = []
         for gen, draft, verdict in zip(gens, drafts, verdicts):
-            accepted = len(verdict.accepted_nodes)
-            if len(draft) > 1:
-                predicted = sum(draft.probs[1:])
-                for calibration in (self.calibration, gen.calibration):
-                    calibration.observe(predicted, accepted)
-            gen._record_step(elapsed, len(draft) - 1, accepted)
+            gen._record_verdict(draft, verdict)
+            gen.stats.steps += 1
+            gen.stats.forward_seconds.append(elapsed)
             outputs.append(gen._commit(verdict.tokens))
         return outputs
 
@@ -290,19 +294,46 @@ class Generation:
             self.finish_reason = "cancelled"
 
     def _prefill(self) -> StepOutput:
+        """Feed the prompt, less any prefix the prefix cache holds, and in the same forward a
+        draft of what follows it.
+
+        Tokens accepted here need no decoding step. A draft token adds about as much to a
+        prefill (~1 ms on the default CPU model) as to a small decoding step, so the draft is
+        trimmed as a decoding step's would be.
+        """
         started = time.perf_counter()
-        cache = DynamicCache()
-        out = self.decoder.model(
-            input_ids=torch.tensor([self.ids], device=self.decoder.device),
-            cache=cache,
-            use_cache=True,
-            logits_to_keep=1,
+        decoder = self.decoder
+        root = self.prompt_len - 1  # the prompt's last token is the draft's root
+        (draft,) = plan_step(
+            [self._retrieve(decoder.step_token_budget)],
+            [self.calibration],
+            [self.config.adaptive],
+            decoder.cost,
+            decoder.step_token_budget,
         )
-        token = self.selector.select(torch.tensor(self.ids, device=self.decoder.device), out.logits[0, -1])
-        self.decoder.pool.admit(self, cache)
+        cached, cache = decoder.prefix_cache.lookup(self.ids)
+        inputs: dict[str, Any] = {"cache": cache, "use_cache": True, "logits_to_keep": len(draft)}
+        if len(draft) > 1:
+            positions, mask = _prefill_layout(draft, root, cached, decoder.model.dtype)
+            inputs["position_ids"] = positions[None].to(decoder.device)
+            inputs["attention_mask"] = mask[None, None].to(decoder.device)
+        ids = torch.tensor([self.ids[cached:root] + draft.tokens], device=decoder.device)
+        logits = decoder.model(input_ids=ids, **inputs).logits[0]
+        verdict = verify(draft, logits, torch.tensor(self.ids, device=decoder.device), self.selector)
+        decoder.prefix_cache.store(self.ids, cache)
+        self.stats.cached_prompt_tokens = cached
+        slot = decoder.pool.admit(self, cache)
         self.in_pool = True
+        decoder.pool.compact(
+            [
+                (slot, root + node, root + 1 + depth)
+                for depth, node in enumerate(verdict.accepted_nodes)
+                if node != depth + 1
+            ]
+        )
+        self._record_verdict(draft, verdict)
         self.stats.prefill_seconds = time.perf_counter() - started
-        return self._commit([token])
+        return self._commit(verdict.tokens)
 
     def _retrieve(self, max_width: int) -> Draft:
         """The draft this request would like to verify next, at most max_width nodes (the batch plan
@@ -325,10 +356,14 @@ class Generation:
         self.stats.retrieval_seconds.append(time.perf_counter() - started)
         return draft
 
-    def _record_step(self, seconds: float, fed: int, accepted: int) -> None:
-        self.stats.steps += 1
-        self.stats.forward_seconds.append(seconds)
-        self.stats.draft_tokens += fed
+    def _record_verdict(self, draft: Draft, verdict: Verdict) -> None:
+        """Count the draft's fed and accepted tokens, and calibrate its probabilities against them."""
+        accepted = len(verdict.accepted_nodes)
+        if len(draft) > 1:
+            predicted = sum(draft.probs[1:])
+            for calibration in (self.decoder.calibration, self.calibration):
+                calibration.observe(predicted, accepted)
+        self.stats.draft_tokens += len(draft) - 1
         self.stats.accepted_draft_tokens += accepted
 
     def _commit(self, tokens: list[int]) -> StepOutput:
@@ -352,3 +387,17 @@ class Generation:
             text += self.detokenizer.flush()
             self.close()
         return StepOutput(tokens, text, self.finish_reason)
+
+
+def _prefill_layout(
+    draft: Draft, root: int, cached: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Position ids and additive mask of prompt tokens [cached, root) fed after `cached` cached
+    ones, then `draft` (its root is the prompt's last token): causal over the prompt; each draft
+    node sees the prompt and its own ancestors."""
+    n = len(draft)
+    visible = torch.ones(root + n, root + n, dtype=torch.bool).tril_()[cached:]
+    visible[root - cached :, root:] = draft.ancestor_mask()
+    positions = torch.cat([torch.arange(cached, root), draft.position_ids(root)])
+    mask = torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, torch.finfo(dtype).min)
+    return positions, mask

@@ -44,8 +44,8 @@ class KVPool:
     def capacity(self) -> int:
         return self.keys[0].shape[2] if self.keys else 0
 
-    def admit(self, owner: object, cache: DynamicCache) -> None:
-        """Give `owner` a free slot holding the prefill KV in `cache`."""
+    def admit(self, owner: object, cache: DynamicCache) -> int:
+        """Give `owner` a free slot holding the prefill KV in `cache`; return the slot."""
         length = cache.get_seq_length()
         if not self.keys:
             self._allocate(cache, slots=1, capacity=max(_INITIAL_LENGTH, _pow2(length)))
@@ -58,6 +58,7 @@ class KVPool:
             self.keys[layer][slot, :, :length] = source.keys[0]
             self.values[layer][slot, :, :length] = source.values[0]
         self.owners[slot] = owner
+        return slot
 
     def release(self, owner: object) -> None:
         self.owners[self.owners.index(owner)] = None

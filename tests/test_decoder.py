@@ -72,6 +72,25 @@ def test_greedy_is_lossless_for_wrong_right_and_partial_drafts(
             assert stats.steps < MAX_TOKENS - 1
 
 
+def test_the_prefill_verifies_a_draft_and_keeps_only_the_accepted_branch(tiny_model, byte_tokenizer) -> None:
+    model = tiny_model("llama")
+    vocab = model.config.vocab_size
+    prompt = [5, 6, 7, 8]
+    expected = plain_greedy(model, prompt, 12)
+    wrong = expected[:1] + [(t + 1) % vocab for t in expected[1:8]]
+    trie = NGramTrie(capacity=1000, max_depth=9)
+    for _ in range(2):  # the wrong branch is the more frequent one, so it is fed first
+        trie.insert(prompt[-3:] + wrong)
+    trie.insert(prompt[-3:] + expected[:8])
+    gen = make_decoder(model, byte_tokenizer, trie, "hier").start(prompt, SamplingParams(max_tokens=12))
+    first = gen.step()
+    assert gen.stats.steps == 0 and gen.stats.draft_tokens > 4
+    assert first.token_ids == expected[: len(first.token_ids)] and len(first.token_ids) > 2
+    while not gen.finished:
+        gen.step()
+    assert gen.output_ids == expected  # the KV of the accepted (second) branch was moved behind the prompt
+
+
 def test_real_model_greedy_is_lossless_and_learns_across_requests(default_model) -> None:
     model, tokenizer = default_model.model, default_model.tokenizer
     trie = NGramTrie(capacity=100_000, max_depth=16)

@@ -1,0 +1,80 @@
+"""KV entries of recent prompts, so that a prompt sharing a prefix with one of them prefills only the rest.
+
+Chat requests share at least their template's system prompt (24 tokens for the default model,
+a quarter to a third of a short question), and a conversation's next turn repeats the whole
+previous one. A prefill is bound by arithmetic, so every token found here is one the model
+does not recompute. Entries are whole prompts, least recently used dropped first, within a
+bound on the tokens held; a lookup takes the longest common prefix with any of them.
+Logits over a cached prefix equal those over a recomputed one up to the attention kernel's
+summation order, which depends on how many rows it is fed (~1e-7 relative, as between a plain
+prefill and the decoder's own steps; tests/test_prefix_cache.py).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache
+
+
+@dataclass(frozen=True)
+class _Entry:
+    tokens: torch.Tensor  # [n] prompt ids
+    keys: list[torch.Tensor]  # per layer [1, kv_heads, >= n, head_dim]; entries past n unused
+    values: list[torch.Tensor]
+
+
+class PrefixCache:
+    """At most `capacity` prompt tokens' KV entries (0 disables it)."""
+
+    def __init__(self, capacity: int) -> None:
+        if capacity < 0:
+            raise ValueError(f"capacity must be >= 0, got {capacity}")
+        self.capacity = capacity
+        self._entries: OrderedDict[tuple[int, ...], _Entry] = OrderedDict()
+        self._held = 0
+
+    @property
+    def tokens(self) -> int:
+        """Prompt tokens held."""
+        return self._held
+
+    def lookup(self, prompt: list[int]) -> tuple[int, DynamicCache]:
+        """(n, cache holding the KV of prompt[:n]) for the longest n found, at most len(prompt) - 1
+        (the last prompt token is always fed, for its logits); n = 0 and an empty cache on a miss."""
+        cache = DynamicCache()
+        if not self._entries or len(prompt) < 2:
+            return 0, cache
+        query = torch.tensor(prompt[:-1])
+        best, found = None, 0
+        for key, entry in self._entries.items():
+            length = min(len(query), len(entry.tokens))
+            differs = (query[:length] != entry.tokens[:length]).nonzero()
+            common = int(differs[0]) if len(differs) else length
+            if common > found:
+                best, found = key, common
+        if best is None:
+            return 0, cache
+        self._entries.move_to_end(best)
+        entry = self._entries[best]
+        for layer, (keys, values) in enumerate(zip(entry.keys, entry.values)):
+            cache.update(keys[:, :, :found], values[:, :, :found], layer)
+        return found, cache
+
+    def store(self, prompt: list[int], cache: DynamicCache) -> None:
+        """Hold the KV of `prompt`, whose entries are the first len(prompt) of `cache` (not copied:
+        the caller must not write to it again)."""
+        key = tuple(prompt)
+        if len(prompt) > self.capacity or key in self._entries:
+            return
+        while self._held + len(prompt) > self.capacity:
+            _, dropped = self._entries.popitem(last=False)
+            self._held -= len(dropped.tokens)
+        self._entries[key] = _Entry(
+            torch.tensor(prompt),
+            [layer.keys for layer in cache.layers],
+            [layer.values for layer in cache.layers],
+        )
+        self._held += len(prompt)
