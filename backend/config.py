@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from lookahead.config import LookaheadConfig
-from lookahead.decoder import MAX_SPECULATIVE_BATCH
+from lookahead.decoder import MAX_SPECULATIVE_BATCH, PREFIX_CACHE_TOKENS
 from lookahead.models import DEFAULT_MODEL, DTYPES
 from lookahead.packed_linear import LINEAR_KERNELS
 from lookahead.trie import DEFAULT_MAX_DEPTH, MAX_DEPTH_LIMIT
@@ -45,6 +45,7 @@ class BackendConfig:
     lookahead: LookaheadConfig
     step_token_budget: int
     max_speculative_batch: int
+    prefix_cache_tokens: int
     trie_capacity: int
     trie_depth: int
     trie_state_dir: Path
@@ -126,6 +127,7 @@ def parse_parameters(
         lookahead=lookahead,
         step_token_budget=read("step_token_budget", _int(minimum=1), 128),
         max_speculative_batch=read("max_speculative_batch", _int(minimum=0), MAX_SPECULATIVE_BATCH),
+        prefix_cache_tokens=read("prefix_cache_tokens", _int(minimum=0), PREFIX_CACHE_TOKENS),
         trie_capacity=trie_capacity,
         trie_depth=trie_depth,
         trie_state_dir=state_dir,

@@ -44,6 +44,12 @@ FAMILIES: dict[str, tuple[str, str, str, list[float] | None]] = {
         E2E_BUCKETS,
     ),
     "prompt_tokens": ("lookahead_prompt_tokens_total", "Prompt tokens processed.", "COUNTER", None),
+    "cached_prompt_tokens": (
+        "lookahead_cached_prompt_tokens_total",
+        "Prompt tokens whose KV came from the prefix cache instead of a prefill.",
+        "COUNTER",
+        None,
+    ),
     "generation_tokens": ("lookahead_generation_tokens_total", "Tokens generated.", "COUNTER", None),
     "draft_tokens": (
         "lookahead_draft_tokens_total",
@@ -70,6 +76,7 @@ class RequestRecord:
     generation_tokens: int
     draft_tokens: int = 0
     accepted_draft_tokens: int = 0
+    cached_prompt_tokens: int = 0
     time_to_first_token_s: float | None = None
     time_per_output_token_s: float | None = None
     e2e_latency_s: float | None = None
@@ -81,7 +88,11 @@ class RequestRecord:
         if stats is None:
             return None
         record = cls(
-            stats.prompt_tokens, stats.output_tokens, stats.draft_tokens, stats.accepted_draft_tokens
+            stats.prompt_tokens,
+            stats.output_tokens,
+            stats.draft_tokens,
+            stats.accepted_draft_tokens,
+            stats.cached_prompt_tokens,
         )
         if update.failure is not None or state.first_output_time is None:
             return record
@@ -143,7 +154,8 @@ class LookaheadMetrics:
         self.families.clear()
 
     def _record(self, record: RequestRecord) -> None:
-        for key in ("prompt_tokens", "generation_tokens", "draft_tokens", "accepted_draft_tokens"):
+        counters = ("prompt_tokens", "cached_prompt_tokens", "generation_tokens", "draft_tokens")
+        for key in (*counters, "accepted_draft_tokens"):
             self.metrics[key].increment(getattr(record, key))
         for key, value in (
             ("ttft", record.time_to_first_token_s),

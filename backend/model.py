@@ -193,6 +193,7 @@ class TritonPythonModel:
             loaded.eos_token_ids,
             step_token_budget=config.step_token_budget,
             max_speculative_batch=config.max_speculative_batch,
+            prefix_cache_tokens=config.prefix_cache_tokens,
         )
         return loaded, snapshots, decoder
 

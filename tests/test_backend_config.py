@@ -10,6 +10,7 @@ import pytest
 
 from backend.config import PROJECT_ROOT, STATE_DIR_ENV, BackendConfig, parse_parameters
 from lookahead.config import LookaheadConfig
+from lookahead.decoder import PREFIX_CACHE_TOKENS
 from lookahead.models import DEFAULT_MODEL
 from lookahead.trie import DEFAULT_MAX_DEPTH
 
@@ -39,6 +40,7 @@ def test_unset_parameters_take_the_defaults(tmp_path):
     assert config.snapshot_interval_s == 60.0
     assert config.report_custom_metrics is False
     assert config.trie_depth == DEFAULT_MAX_DEPTH
+    assert config.prefix_cache_tokens == PREFIX_CACHE_TOKENS
 
 
 @pytest.mark.parametrize("unset", ["", "   ", "${decoding_length}"])
@@ -67,6 +69,7 @@ def test_values_are_parsed_by_type(tmp_path):
         max_prompt_tokens="100",
         max_output_tokens="20",
         REPORT_CUSTOM_METRICS="TRUE",
+        prefix_cache_tokens="0",
     )
     assert config.lookahead == LookaheadConfig(
         use_lookahead=False,
@@ -84,6 +87,7 @@ def test_values_are_parsed_by_type(tmp_path):
         True,
     )
     assert config.trie_depth == 7
+    assert config.prefix_cache_tokens == 0
 
 
 def test_relative_paths_resolve_against_the_model_repository(tmp_path):
@@ -123,6 +127,7 @@ def test_gpu_instances_default_to_their_device(tmp_path):
         ("device", "cpu:0", "expected cpu, cuda or cuda:<index>"),
         ("max_prompt_tokens", "0", "must be >= 1"),
         ("max_output_tokens", "1.5", "expected an integer, got '1.5'"),
+        ("prefix_cache_tokens", "-1", "must be >= 0, got -1"),
     ],
 )
 def test_invalid_values_name_the_parameter(tmp_path, name, value, problem):
