@@ -111,7 +111,14 @@ class PackedWeights(nn.Module):
             if self._takers_left == 0:
                 self._shared = None
             return product
-        rows = x.reshape(-1, self.in_features).contiguous()
+        y = self.product(x.reshape(-1, self.in_features).contiguous())
+        y = y.view(*x.shape[:-1], self.out_features)
+        if self._siblings > 1:
+            self._shared, self._takers_left = (x, y), self._siblings - 1
+        return y
+
+    def product(self, rows: torch.Tensor) -> torch.Tensor:
+        """rows [M, in_features] (contiguous) @ W^T + bias: [M, out_features], every sibling's outputs."""
         if self.int8:
             scaled = (self.q_packed, self.d_packed, self.m_packed)
             y = self._extension.int8_linear(rows, *scaled, self.out_features)
@@ -119,9 +126,6 @@ class PackedWeights(nn.Module):
             y = self._extension.fp32_linear(rows, self.weight_packed, self.out_features)
         if self.bias is not None:
             y += self.bias
-        y = y.view(*x.shape[:-1], self.out_features)
-        if self._siblings > 1:
-            self._shared, self._takers_left = (x, y), self._siblings - 1
         return y
 
     def extra_repr(self) -> str:
@@ -265,6 +269,10 @@ def apply_linear_kernel(model: nn.Module, kernel: str) -> str:
         logger.info("linear_kernel auto: stock (%s)", reason)
         return "stock"
     pack_linear_layers(model)
+    from .lean_layers import use_lean_layers  # builds on the packed layers: imported after them
+
+    if not use_lean_layers(model):
+        logger.info("packed kernel: %s keeps transformers' decoder layers", type(model).__name__)
     return "packed"
 
 

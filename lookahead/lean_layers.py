@@ -1,0 +1,120 @@
+"""Decoder layers of packed Llama-shaped models without transformers' per-operation Python.
+
+A one-token step of the default model on the CPU spent more time in the Python around its
+tensor operations (module calls, keyword plumbing, ~45 small ops per layer, the packed layers'
+sibling bookkeeping) than in the linear kernel's arithmetic. `use_lean_layers` gives each layer
+of a packed Llama, Mistral or Qwen2 model a forward that issues the same tensor operations in
+the same order, with q/k/v and gate/up each one kernel call and RoPE applied to q and k
+together. It must reproduce the model's own forward bit for bit, which is checked at load (a
+prefill and a masked two-token step); on any difference the model keeps transformers' layers.
+Measured (same process, alternating): a one-token forward 28.4 -> 18.8 ms, 8 tokens 33.4 -> 27.9.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import DynamicCache
+
+from .packed_linear import PackedLinear, PackedWeights
+
+_LAYERS = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer")
+
+
+def use_lean_layers(model: nn.Module) -> bool:
+    """Switch every decoder layer of `model` to the lean forward if it gives the same bits; say if it did."""
+    layers = [module for module in model.modules() if type(module).__name__ in _LAYERS]
+    if not layers or not all(_packed_as_expected(layer) for layer in layers):
+        return False
+    before = _probe(model)
+    for layer in layers:
+        layer.forward = _lean_forward(layer)
+    if all(torch.equal(a, b) for a, b in zip(_probe(model), before)):
+        return True
+    for layer in layers:
+        del layer.forward  # back to the class's forward
+    return False
+
+
+def _packed_as_expected(layer: nn.Module) -> bool:
+    """q/k/v and gate/up fused into one packed product each, o/down packed alone, SiLU, RMSNorm."""
+    attn, mlp = layer.self_attn, layer.mlp
+    linears = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+    return (
+        all(isinstance(linear, PackedLinear) for linear in linears)
+        and attn.q_proj.weights is attn.k_proj.weights is attn.v_proj.weights
+        and mlp.gate_proj.weights is mlp.up_proj.weights
+        and type(mlp.act_fn).__name__ in ("SiLU", "SiLUActivation")
+        and hasattr(layer.input_layernorm, "variance_epsilon")
+        and hasattr(layer.post_attention_layernorm, "variance_epsilon")
+    )
+
+
+def _rms_norm(norm: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    weight, eps = norm.weight, norm.variance_epsilon
+    return lambda x: weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def _lean_forward(layer: nn.Module) -> Callable[..., torch.Tensor]:
+    attn, mlp = layer.self_attn, layer.mlp
+    qkv: PackedWeights = attn.q_proj.weights
+    heads, kv_heads = attn.config.num_attention_heads, attn.config.num_key_value_heads
+    head_dim, half, index, scaling = attn.head_dim, attn.head_dim // 2, attn.layer_idx, attn.scaling
+    inner = mlp.gate_proj.out_features
+    input_norm, post_norm = _rms_norm(layer.input_layernorm), _rms_norm(layer.post_attention_layernorm)
+    o_proj, gate_up, down = attn.o_proj.weights, mlp.gate_proj.weights, mlp.down_proj.weights
+
+    def forward(
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        cache: Any = None,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        batch, length, width = hidden_states.shape
+        rows = input_norm(hidden_states).view(batch * length, width)
+        states = qkv.product(rows).view(batch, length, heads + 2 * kv_heads, head_dim).transpose(1, 2)
+        rotated, values = states[:, : heads + kv_heads], states[:, heads + kv_heads :]
+        cos, sin = (t.unsqueeze(1) for t in position_embeddings)
+        turned = torch.cat((-rotated[..., half:], rotated[..., :half]), dim=-1)
+        rotated = (rotated * cos) + (turned * sin)
+        queries, keys = rotated[:, :heads], rotated[:, heads:]
+        if cache is not None:
+            keys, values = cache.update(keys, values, index, kwargs=kwargs)
+        causal = attention_mask is None and length > 1
+        if causal and keys.shape[2] > length:  # as transformers' sdpa: a prefill into an empty static cache
+            keys, values = keys[:, :, :length], values[:, :, :length]
+        attended = F.scaled_dot_product_attention(
+            queries, keys, values, attn_mask=attention_mask, is_causal=causal, scale=scaling, enable_gqa=True
+        )
+        attended = attended.transpose(1, 2).reshape(batch * length, heads * head_dim)
+        hidden_states = hidden_states + o_proj.product(attended).view(batch, length, width)
+        projected = gate_up.product(post_norm(hidden_states).view(batch * length, width))
+        activated = F.silu(projected[:, :inner]) * projected[:, inner:]
+        return hidden_states + down.product(activated).view(batch, length, width)
+
+    return forward
+
+
+def _probe(model: nn.Module) -> list[torch.Tensor]:
+    """Logits of a 3-token prefill and of a masked 2-token step after it (a root and its child)."""
+    embeddings = model.get_input_embeddings()
+    vocab, device = embeddings.num_embeddings, embeddings.weight.device
+    tokens = [t % vocab for t in (11, 12, 13, 14, 15)]
+    cache = DynamicCache(config=model.config)
+    mask = torch.zeros(1, 1, 2, 5, device=device)
+    mask[0, 0, 0, 4] = torch.finfo(mask.dtype).min
+    with torch.inference_mode():
+        prefill = model(input_ids=torch.tensor([tokens[:3]], device=device), cache=cache, use_cache=True)
+        step = model(
+            input_ids=torch.tensor([tokens[3:]], device=device),
+            attention_mask=mask,
+            position_ids=torch.tensor([[3, 4]], device=device),
+            cache=cache,
+            use_cache=True,
+        )
+    return [prefill.logits, step.logits]

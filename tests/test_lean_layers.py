@@ -1,0 +1,69 @@
+"""Lean decoder layers: taken only where they give the model's own bits, on every kind of forward."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from lookahead import lean_layers
+from lookahead.packed_linear import cpu_has_avx512, pack_linear_layers
+from tests.conftest import build_tiny_model
+from tests.test_attention import tree_logits
+
+pytestmark = pytest.mark.skipif(not cpu_has_avx512(), reason="lean layers run on the packed kernel")
+
+
+def is_lean(model: Any) -> list[bool]:
+    return ["forward" in layer.__dict__ for layer in model.model.layers]
+
+
+def forwards(model: Any) -> list[torch.Tensor]:
+    """A prefill, a one-token step after it, a draft tree and a padded batch of two."""
+    prompt = [5, 17, 33, 2, 250, 9, 41, 7]
+    cache = DynamicCache(config=model.config)
+    with torch.inference_mode():
+        prefill = model(input_ids=torch.tensor([prompt]), cache=cache, use_cache=True).logits
+        step = model(input_ids=torch.tensor([[3]]), cache=cache, use_cache=True).logits
+        tree = tree_logits(model, prompt, [7, 8, 9, 10, 11], [-1, 0, 1, 0, 3])
+        batch = model(
+            input_ids=torch.tensor([prompt, [0, 0] + prompt[:6]]),
+            attention_mask=torch.tensor([[1] * 8, [0, 0] + [1] * 6]),
+        ).logits
+    return [prefill, step, tree, batch]
+
+
+@pytest.mark.parametrize("architecture", ["llama", "qwen2", "mistral"])
+def test_lean_layers_give_the_bits_of_transformers_layers(architecture: str) -> None:
+    model = build_tiny_model(architecture, "packed")
+    assert all(is_lean(model))
+    lean = forwards(model)
+    for layer in model.model.layers:
+        del layer.forward
+    for actual, expected in zip(lean, forwards(model)):
+        assert torch.equal(actual, expected)
+
+
+@pytest.mark.parametrize("architecture", ["qwen3", "gemma"])
+def test_other_layer_shapes_keep_transformers_layers(architecture: str) -> None:
+    assert not any(is_lean(build_tiny_model(architecture, "packed")))
+
+
+def test_a_lean_forward_that_changes_any_bit_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = build_tiny_model("llama")  # stock linear layers: pack them here, with a skewed lean forward
+    original = lean_layers._lean_forward
+
+    def skewed(layer: Any) -> Any:
+        forward = original(layer)
+        return lambda *args, **kwargs: forward(*args, **kwargs) * (1 + 1e-6)
+
+    monkeypatch.setattr(lean_layers, "_lean_forward", skewed)
+    pack_linear_layers(model)
+    assert not lean_layers.use_lean_layers(model)
+    assert not any(is_lean(model))
+
+
+def test_the_default_model_runs_lean_layers(default_model: Any) -> None:
+    assert all(is_lean(default_model.model))
