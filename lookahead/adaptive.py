@@ -20,10 +20,10 @@ from .draft import Draft
 # Relative forward cost by number of new tokens, before any step was measured. CPU: SmolLM2-135M,
 # fp32, 2 threads. Stock transformers layers: 300 cached tokens, q=1 47 ms, q=2 50, q=4 70, q=8 85,
 # q=16 98, q=32 113, q=64 159 (scripts/bench_forward.py, 256 cached, later gave close ratios:
-# 1.08, 1.56, 1.93, 2.11, 2.61, 3.78). Packed kernel with grouped_sdpa (bench_forward, 256 cached):
-# q=1 27.9 ms, q=2 27.6, q=4 31.8, q=8 38.0, q=16 51.3, q=32 72.5, q=64 121.8.
+# 1.08, 1.56, 1.93, 2.11, 2.61, 3.78). Packed kernel with lean layers (bench_forward, 256 cached):
+# q=1 19.9 ms, q=2 20.4, q=4 23.2, q=8 29.2, q=16 41.4, q=32 64.5, q=64 108.6.
 CPU_PRIOR = {1: 1.0, 2: 1.06, 4: 1.5, 8: 1.8, 16: 2.1, 32: 2.4, 64: 3.4, 128: 5.5}
-PACKED_CPU_PRIOR = {1: 1.0, 2: 1.05, 4: 1.14, 8: 1.36, 16: 1.84, 32: 2.6, 64: 4.36, 128: 8.0}
+PACKED_CPU_PRIOR = {1: 1.0, 2: 1.02, 4: 1.17, 8: 1.46, 16: 2.08, 32: 3.23, 64: 5.44, 128: 10.0}
 GPU_PRIOR = {1: 1.0, 2: 1.02, 4: 1.03, 8: 1.05, 16: 1.08, 32: 1.15, 64: 1.3, 128: 1.7}
 _EMA = 0.1
 
