@@ -48,7 +48,9 @@ def test_a_width_between_two_points_is_charged_for_itself() -> None:
     for _ in range(3):
         cost.observe(1, 0.10)
         cost.observe(20, 0.20)  # credited to the point 16, scaled by the prior's slope
-    assert abs(cost.relative(20) - 2.0) < 0.1
+    # ~ the observed 0.20 / 0.10 (interpolation runs on to the prior's 32); credited unscaled to 16 it
+    # would read 2.31, charged as 32 3.23
+    assert abs(cost.relative(20) - 2.0) < 0.15
     assert cost.relative(16) < cost.relative(20) < cost.relative(24) < cost.relative(32)
     assert cost.relative(256) == 2 * cost.relative(128)  # past the table: in proportion to the tokens
 
