@@ -180,10 +180,9 @@ class LookaheadDecoder:
         ]
         self.pool.compact(
             [
-                (slot, length + node, length + 1 + depth)
+                move
                 for slot, (length, verdict) in enumerate(zip(lengths, verdicts))
-                for depth, node in enumerate(verdict.accepted_nodes)
-                if node != depth + 1
+                for move in _accepted_moves(slot, length, verdict)
             ]
         )
         elapsed = time.perf_counter() - started
@@ -324,13 +323,7 @@ class Generation:
         self.stats.cached_prompt_tokens = cached
         slot = decoder.pool.admit(self, cache)
         self.in_pool = True
-        decoder.pool.compact(
-            [
-                (slot, root + node, root + 1 + depth)
-                for depth, node in enumerate(verdict.accepted_nodes)
-                if node != depth + 1
-            ]
-        )
+        decoder.pool.compact(_accepted_moves(slot, root, verdict))
         self._record_verdict(draft, verdict)
         self.stats.prefill_seconds = time.perf_counter() - started
         return self._commit(verdict.tokens)
@@ -387,6 +380,16 @@ class Generation:
             text += self.detokenizer.flush()
             self.close()
         return StepOutput(tokens, text, self.finish_reason)
+
+
+def _accepted_moves(slot: int, length: int, verdict: Verdict) -> list[tuple[int, int, int]]:
+    """KV moves (slot, from, to) that put the accepted nodes of a draft fed after `length` cached
+    entries right behind them; none when they are the draft's first branch, already in place."""
+    return [
+        (slot, length + node, length + 1 + depth)
+        for depth, node in enumerate(verdict.accepted_nodes)
+        if node != depth + 1
+    ]
 
 
 def _prefill_layout(
