@@ -68,6 +68,15 @@ FAMILIES: dict[str, tuple[str, str, str, list[float] | None]] = {
 }
 
 
+_COUNTERS = (
+    "prompt_tokens",
+    "cached_prompt_tokens",
+    "generation_tokens",
+    "draft_tokens",
+    "accepted_draft_tokens",
+)
+
+
 @dataclass(frozen=True)
 class RequestRecord:
     """What one request contributes; latencies are None unless it finished normally."""
@@ -154,8 +163,7 @@ class LookaheadMetrics:
         self.families.clear()
 
     def _record(self, record: RequestRecord) -> None:
-        counters = ("prompt_tokens", "cached_prompt_tokens", "generation_tokens", "draft_tokens")
-        for key in (*counters, "accepted_draft_tokens"):
+        for key in _COUNTERS:
             self.metrics[key].increment(getattr(record, key))
         for key, value in (
             ("ttft", record.time_to_first_token_s),
