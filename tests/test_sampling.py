@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from lookahead import LookaheadConfig, LookaheadDecoder, NGramTrie, SamplingParams
+from lookahead.sampling import greedy_tokens
 
 SAMPLES = 400
 NEW_TOKENS = 3
@@ -120,3 +121,14 @@ def test_sampled_distribution_matches_plain_sampling(peaky_model, byte_tokenizer
     # The test has power: a sampler with the wrong temperature is detected.
     wrong = hf_samples(peaky_model, prompt, temperature=1.0, top_p=0.9)
     assert min(chi_square_p_value(ours[p], wrong[p]) for p in range(NEW_TOKENS)) < 1e-3
+
+
+def test_greedy_tokens_are_torch_argmax_including_ties() -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(7, 49152)
+    logits[2, 100] = logits[2, 40_000] = logits[2].max() + 1  # a tie: the first index wins
+    logits[5] = 0.0
+    expected = logits.argmax(-1).tolist()
+    assert greedy_tokens(logits) == expected and expected[2] == 100 and expected[5] == 0
+    assert greedy_tokens(logits[1:4, ::2]) == logits[1:4, ::2].argmax(-1).tolist()  # a strided view
+    assert greedy_tokens(logits.bfloat16()) == logits.bfloat16().argmax(-1).tolist()
