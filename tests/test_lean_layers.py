@@ -40,8 +40,8 @@ def test_lean_layers_give_the_bits_of_transformers_layers(architecture: str) -> 
     model = build_tiny_model(architecture, "packed")
     assert all(is_lean(model))
     lean = forwards(model)
-    for layer in model.model.layers:
-        del layer.forward
+    for module in [*model.model.layers, model]:
+        module.__dict__.pop("forward", None)  # back to transformers' forwards
     for actual, expected in zip(lean, forwards(model)):
         assert torch.equal(actual, expected)
 
@@ -64,5 +64,16 @@ def test_a_lean_forward_that_changes_any_bit_is_refused(monkeypatch: pytest.Monk
     assert not any(is_lean(model))
 
 
-def test_the_default_model_runs_lean_layers(default_model: Any) -> None:
-    assert all(is_lean(default_model.model))
+def test_the_default_model_runs_lean_layers_and_a_lean_model_forward(default_model: Any) -> None:
+    assert all(is_lean(default_model.model)) and "forward" in default_model.model.__dict__
+
+
+def test_a_llama_gets_a_lean_model_forward_that_hands_other_calls_to_transformers() -> None:
+    model = build_tiny_model("llama", "packed")
+    assert "forward" in model.__dict__
+    ids = torch.tensor([[5, 17, 33, 2]])
+    with torch.inference_mode():
+        plain = model(input_ids=ids)
+        with_hidden = model(input_ids=ids, output_hidden_states=True)  # not a lean call: stock forward
+    assert with_hidden.hidden_states is not None and len(with_hidden.hidden_states) == 3
+    assert torch.equal(plain.logits, with_hidden.logits)
