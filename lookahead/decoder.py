@@ -25,7 +25,7 @@ from .config import LookaheadConfig, SamplingParams
 from .detokenizer import Detokenizer
 from .draft import Draft
 from .kv_pool import KVPool
-from .models import plain_output_layer
+from .models import additive_mask, plain_output_layer
 from .packed_linear import linear_kernel_of
 from .prefix_cache import PrefixCache
 from .retrieval import retrieve_draft
@@ -214,8 +214,7 @@ class LookaheadDecoder:
             visible[i, :n, length : length + n] = draft.ancestor_mask()
             padding = torch.arange(n, width)
             visible[i, padding, length + padding] = True  # padding rows see only themselves
-        dtype = self.model.dtype
-        mask = torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, torch.finfo(dtype).min)
+        mask = additive_mask(visible, self.model.dtype)
         inputs = {
             "input_ids": ids.to(self.device),
             "position_ids": positions.to(self.device),
@@ -402,5 +401,4 @@ def _prefill_layout(
     visible = torch.ones(root + n, root + n, dtype=torch.bool).tril_()[cached:]
     visible[root - cached :, root:] = draft.ancestor_mask()
     positions = torch.cat([torch.arange(cached, root), draft.position_ids(root)])
-    mask = torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, torch.finfo(dtype).min)
-    return positions, mask
+    return positions, additive_mask(visible, dtype)

@@ -295,6 +295,13 @@ def check_tree_attention(model: Any) -> None:
         )
 
 
+def additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The mask transformers adds to attention scores: 0 where `visible`, the dtype's minimum elsewhere."""
+    return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(
+        ~visible, torch.finfo(dtype).min
+    )
+
+
 def _tree_logits(
     model: Any, prefix: list[int], tree: list[int], device: torch.device, dtype: torch.dtype
 ) -> torch.Tensor:
@@ -303,12 +310,9 @@ def _tree_logits(
     past = len(prefix)
     visible = torch.ones(len(tree), past + len(tree), dtype=torch.bool, device=device)
     visible[:, past:] = torch.tensor(_TREE_VISIBILITY, device=device)
-    mask = torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill(
-        ~visible, torch.finfo(dtype).min
-    )
     output = model(
         input_ids=torch.tensor([tree], device=device),
-        attention_mask=mask[None, None],
+        attention_mask=additive_mask(visible, dtype)[None, None],
         position_ids=torch.tensor([[past, past + 1, past + 1]], device=device),
         cache=cache,
         use_cache=True,
