@@ -68,13 +68,7 @@ FAMILIES: dict[str, tuple[str, str, str, list[float] | None]] = {
 }
 
 
-_COUNTERS = (
-    "prompt_tokens",
-    "cached_prompt_tokens",
-    "generation_tokens",
-    "draft_tokens",
-    "accepted_draft_tokens",
-)
+_COUNTERS = tuple(key for key, (_, _, kind, _) in FAMILIES.items() if kind == "COUNTER")
 
 
 @dataclass(frozen=True)
