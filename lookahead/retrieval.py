@@ -139,11 +139,13 @@ def retrieve_draft(
     mode: str = "hier",
     max_query_length: int = 4,
     copy: Copy | None = None,
+    stop_tokens: frozenset[int] = frozenset(),
 ) -> Draft:
     """The draft to verify after `context`: at most `decoding_length` nodes (root included), depth
     at most `branch_length`, tokens[0] == context[-1]; the bare root when nothing matches.
     `copy` (see spans.py) continues the request's longest repeat of its latest tokens, also
-    past the tries' depth.
+    past the tries' depth. A node carrying one of `stop_tokens` (the request's EOS ids) gets no
+    children: the request ends there, so nothing below it could be accepted.
 
     The longest matching query (last k tokens, k <= max_query_length) is tried first; a shorter
     one replaces it only if its draft has a larger expected number of accepted tokens.
@@ -171,9 +173,9 @@ def retrieve_draft(
         previous_counts = counts
         start = (root, -1, 1.0, local_node, shared_node, 0, 0 if copy is not None else -1)
         if mode == "one":
-            nodes = _best_chain(view, start, query_len, depth_limit)
+            nodes = _best_chain(view, start, query_len, depth_limit, stop_tokens)
         else:
-            nodes = _best_first(view, start, query_len, decoding_length, depth_limit)
+            nodes = _best_first(view, start, query_len, decoding_length, depth_limit, stop_tokens)
         value = sum(node[2] for node in nodes)
         if value > best_value:
             best, best_value = _layout(nodes, mode, decoding_length), value
@@ -181,7 +183,12 @@ def retrieve_draft(
 
 
 def _best_first(
-    view: _MergedView, start: _Node, query_len: int, budget: int, depth_limit: int
+    view: _MergedView,
+    start: _Node,
+    query_len: int,
+    budget: int,
+    depth_limit: int,
+    stop_tokens: frozenset[int],
 ) -> list[_Node]:
     """The `budget` most probable nodes of the matched subtree (root included), in selection order."""
     selected: list[_Node] = []
@@ -191,8 +198,8 @@ def _best_first(
         _, _, node = heapq.heappop(frontier)
         index = len(selected)
         selected.append(node)
-        _, _, prob, local_node, shared_node, depth, copy_index = node
-        if depth == depth_limit or len(selected) == budget:
+        token, _, prob, local_node, shared_node, depth, copy_index = node
+        if depth == depth_limit or len(selected) == budget or (depth and token in stop_tokens):
             continue
         for conditional, token, local_child, shared_child, child_copy in view.continuations(
             local_node, shared_node, query_len + depth, copy_index
@@ -205,10 +212,12 @@ def _best_first(
     return selected
 
 
-def _best_chain(view: _MergedView, start: _Node, query_len: int, depth_limit: int) -> list[_Node]:
+def _best_chain(
+    view: _MergedView, start: _Node, query_len: int, depth_limit: int, stop_tokens: frozenset[int]
+) -> list[_Node]:
     """`one` mode: follow the most probable child at each level."""
     chain = [start]
-    while chain[-1][5] < depth_limit:
+    while chain[-1][5] < depth_limit and not (chain[-1][5] and chain[-1][0] in stop_tokens):
         _, _, prob, local_node, shared_node, depth, copy_index = chain[-1]
         options = view.continuations(local_node, shared_node, query_len + depth, copy_index)
         if not options:

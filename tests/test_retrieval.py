@@ -9,6 +9,7 @@ import pytest
 from lookahead.config import DECODING_MODES
 from lookahead.draft import Draft
 from lookahead.retrieval import retrieve_draft
+from lookahead.spans import Copy
 from lookahead.trie import NO_NODE, NGramTrie
 
 
@@ -132,6 +133,17 @@ def test_modes_share_the_hier_selection_and_budget():
     assert one.parents == [-1, 0, 1, 2] and tuple(one.tokens[1:]) in branches(hier)
     small_par = retrieve_draft([1], local, None, mode="par", decoding_length=5, branch_length=3)
     assert len(small_par) == 5
+
+
+@pytest.mark.parametrize("mode", DECODING_MODES)
+def test_nothing_is_drafted_past_a_stop_token(mode):
+    """The request ends at its EOS, so a branch through one stops there, copies included."""
+    local = trie_of([1, 2, 0, 3, 4])
+    copy = Copy([2, 0, 3, 4], matched=8)
+    kwargs = dict(decoding_length=16, branch_length=4, mode=mode)
+    assert branches(retrieve_draft([1], local, None, copy=copy, **kwargs)) == {(2, 0, 3, 4)}
+    stopped = retrieve_draft([1], local, None, copy=copy, stop_tokens=frozenset({0}), **kwargs)
+    assert branches(stopped) == {(2, 0)}
 
 
 def test_nothing_to_draft_gives_the_bare_root():
