@@ -26,6 +26,11 @@ CPU_PRIOR = {1: 1.0, 2: 1.06, 4: 1.5, 8: 1.8, 16: 2.1, 32: 2.4, 64: 3.4, 128: 5.
 PACKED_CPU_PRIOR = {1: 1.0, 2: 1.02, 4: 1.17, 8: 1.46, 16: 2.08, 32: 3.23, 64: 5.44, 128: 10.0}
 GPU_PRIOR = {1: 1.0, 2: 1.02, 4: 1.03, 8: 1.05, 16: 1.08, 32: 1.15, 64: 1.3, 128: 1.7}
 _EMA = 0.1
+# Lowest calibration ratio. Calibration only learns from drafts that are fed, and a ratio too
+# low for any draft to pay (on a CPU a one-token draft adds ~6% to a forward) would stop a request
+# drafting for good after a run of misses. Replaying the benchmark sets with the model's known
+# outputs, 0.05 -> 0.15 took MT-Bench from 1.01x to 1.11x plain decoding, code editing unchanged.
+MIN_CALIBRATION = 0.15
 
 
 def _points(q: float) -> tuple[int, int, float]:
@@ -94,7 +99,7 @@ class Calibration:
     def observe(self, predicted: float, accepted: int) -> None:
         if predicted > 0:
             sample = min(accepted / predicted, 1.0)  # probabilities are upper bounds: never inflate them
-            self.ratio = max(0.05, self.ratio + self.rate * (sample - self.ratio))
+            self.ratio = max(MIN_CALIBRATION, self.ratio + self.rate * (sample - self.ratio))
 
 
 def plan_step(

@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
-from lookahead.adaptive import CPU_PRIOR, GPU_PRIOR, PACKED_CPU_PRIOR, Calibration, CostModel, plan_step
+from lookahead.adaptive import (
+    CPU_PRIOR,
+    GPU_PRIOR,
+    MIN_CALIBRATION,
+    PACKED_CPU_PRIOR,
+    Calibration,
+    CostModel,
+    plan_step,
+)
 from lookahead.decoder import LookaheadDecoder
 from lookahead.draft import Draft
 from lookahead.packed_linear import cpu_has_avx512
@@ -57,10 +65,15 @@ def test_a_width_between_two_points_is_charged_for_itself() -> None:
 
 def test_calibration_learns_that_the_trie_is_overconfident() -> None:
     calibration = Calibration()
+    confident = chain([0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2])
+    assert len(choose_draft(confident, CostModel(CPU_PRIOR), calibration)) == 9
     for _ in range(50):
         calibration.observe(predicted=4.0, accepted=0)
-    assert calibration.ratio < 0.1
-    assert len(choose_draft(chain([0.99] * 8), CostModel(CPU_PRIOR), calibration)) == 1
+    assert calibration.ratio == MIN_CALIBRATION
+    # Still a one-token draft, so that the request goes on learning whether drafts pay again.
+    assert len(choose_draft(confident, CostModel(CPU_PRIOR), calibration)) == 2
+    calibration.observe(predicted=1.0, accepted=1)
+    assert calibration.ratio > MIN_CALIBRATION
 
 
 def test_batch_shares_one_width_and_the_budget() -> None:
