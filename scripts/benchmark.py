@@ -1,9 +1,11 @@
 """Decoder benchmark: plain greedy, prompt lookup and Lookahead on the same prompts, in one process.
 
-For every prompt set, in this order: transformers greedy `generate`, transformers prompt lookup
-decoding (`prompt_lookup_num_tokens=10`), then LookaheadDecoder in `hier` and `one` modes. Each
-Lookahead run gets a fresh global trie (and a fresh decoder, whose cost model learns online), so
-every mode starts from the same state; HumanEval's trie is warmed with its disjoint warm-up half
+For every prompt set: transformers greedy `generate`, transformers prompt lookup decoding
+(`prompt_lookup_num_tokens=10`), then LookaheadDecoder in `hier` and `one` modes. Each prompt
+goes through every method in turn, so that the machine's drift (10-20% over minutes on a shared
+VM) hits all methods alike rather than whichever ran through a slow stretch. Each Lookahead
+mode gets a fresh global trie (and a fresh decoder, whose cost model learns online), so every
+mode starts from the same state; HumanEval's trie is warmed with its disjoint warm-up half
 first. Within a set the global trie keeps learning from every output, as it does when serving.
 
 Every output must be token-identical to plain greedy (all methods are lossless); a mismatch is
@@ -166,15 +168,17 @@ def synchronize(device: torch.device) -> None:
 
 
 def measure(
-    runner: Runner, prompts: Sequence[list[int]], max_new_tokens: int, device: torch.device
-) -> list[PromptRun]:
-    runs = []
+    runners: dict[str, Runner], prompts: Sequence[list[int]], max_new_tokens: int, device: torch.device
+) -> dict[str, list[PromptRun]]:
+    """Every method's runs, the methods taking each prompt in turn."""
+    runs: dict[str, list[PromptRun]] = {method: [] for method in runners}
     for prompt_ids in prompts:
-        synchronize(device)
-        started = time.perf_counter()
-        run = runner(prompt_ids, max_new_tokens)
-        synchronize(device)
-        runs.append(replace(run, seconds=time.perf_counter() - started))
+        for method, runner in runners.items():
+            synchronize(device)
+            started = time.perf_counter()
+            run = runner(prompt_ids, max_new_tokens)
+            synchronize(device)
+            runs[method].append(replace(run, seconds=time.perf_counter() - started))
     return runs
 
 
@@ -214,14 +218,16 @@ def benchmark_set(
     device = loaded.model.device
     prompts = [encode(loaded, prompt_set, prompt) for prompt in prompt_set.prompts]
     warmup_ids = [loaded.tokenizer(text).input_ids for text in prompt_set.warmup_texts]
-    results: list[MethodResult] = []
+    runners: dict[str, Runner] = {}
     for method in METHODS:
         # A throwaway runner pays the first-call costs so the measured one starts clean.
         make_runner(method, loaded, warmup_ids, trie_capacity)(
             prompts[0], min(WARMUP_NEW_TOKENS, max_new_tokens)
         )
-        runner = make_runner(method, loaded, warmup_ids, trie_capacity)
-        result = MethodResult(prompt_set.name, method, measure(runner, prompts, max_new_tokens, device))
+        runners[method] = make_runner(method, loaded, warmup_ids, trie_capacity)
+    results: list[MethodResult] = []
+    for method, runs in measure(runners, prompts, max_new_tokens, device).items():
+        result = MethodResult(prompt_set.name, method, runs)
         if results:
             check_lossless(result, results[0], loaded.tokenizer)
         print(
