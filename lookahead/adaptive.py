@@ -87,19 +87,41 @@ class CostModel:
 
 @dataclass
 class Calibration:
-    """Ratio of accepted draft tokens to the trie's predicted sum of probabilities.
+    """Ratios of accepted draft tokens to the predicted sums of probabilities, for a draft's
+    first (best) branch and for its other branches apart: the others rest on weaker evidence,
+    and their probabilities overstate acceptance more.
 
     The decoder keeps one across all requests; each request starts from it and adapts faster
     to its own text.
     """
 
     ratio: float = 1.0
+    side_ratio: float = 1.0
     rate: float = _EMA
 
-    def observe(self, predicted: float, accepted: int) -> None:
-        if predicted > 0:
-            sample = min(accepted / predicted, 1.0)  # probabilities are upper bounds: never inflate them
-            self.ratio = max(MIN_CALIBRATION, self.ratio + self.rate * (sample - self.ratio))
+    def calibrated(self, draft: Draft) -> list[float]:
+        """Each node's probability times its branch's ratio, never above its parent's."""
+        first = draft.first_branch()
+        weights = [1.0]
+        for i in range(1, len(draft)):
+            ratio = self.ratio if i <= first else self.side_ratio
+            weights.append(min(ratio * draft.probs[i], weights[draft.parents[i]]))
+        return weights
+
+    def observe(self, draft: Draft, accepted_nodes: list[int]) -> None:
+        """Learn from a fed draft and the nodes the model accepted."""
+        first = draft.first_branch()
+        on_first = sum(1 for node in accepted_nodes if node <= first)
+        self.ratio = self._updated(self.ratio, sum(draft.probs[1 : first + 1]), on_first)
+        self.side_ratio = self._updated(
+            self.side_ratio, sum(draft.probs[first + 1 :]), len(accepted_nodes) - on_first
+        )
+
+    def _updated(self, ratio: float, predicted: float, accepted: int) -> float:
+        if predicted <= 0:
+            return ratio
+        sample = min(accepted / predicted, 1.0)  # probabilities are upper bounds: never inflate them
+        return max(MIN_CALIBRATION, ratio + self.rate * (sample - ratio))
 
 
 def plan_step(
@@ -113,21 +135,19 @@ def plan_step(
 
     The batch is fed as k rows of q tokens (drafts padded to the widest), so a step costs
     cost(k * q). For every q within the budget the expected yield is the sum over requests of
-    1 + c_i * (sum of its q - 1 most probable node probabilities), c_i being that request's own
-    calibration (acceptance differs a lot between, say, code editing and a story); the q with
+    1 + (sum of its q - 1 most probable node probabilities, calibrated by that request's own
+    ratios: acceptance differs a lot between, say, code editing and a story); the q with
     the best yield per cost wins, q = 1 being plain batched decoding. Requests that opted out of
     adaptivity keep their whole draft (within the budget).
     """
     k = len(drafts)
     widest = max(1, token_budget // k)
-    orders = [sorted(range(1, len(d)), key=lambda i, d=d: -d.probs[i]) for d in drafts]
+    weights = [c.calibrated(d) for d, c in zip(drafts, calibrations)]
+    orders = [sorted(range(1, len(w)), key=lambda i, w=w: -w[i]) for w in weights]
     forced = max((len(d) for d, a in zip(drafts, adaptive) if not a), default=1)
     best_q, best_rate = 1, -1.0
     for q in range(min(forced, widest), min(widest, max(len(d) for d in drafts)) + 1):
-        expected = k + sum(
-            c.ratio * sum(d.probs[i] for i in order[: q - 1])
-            for d, c, order in zip(drafts, calibrations, orders)
-        )
+        expected = k + sum(sum(w[i] for i in order[: q - 1]) for w, order in zip(weights, orders))
         rate = expected / cost.relative(k * q)
         if rate > best_rate:
             best_q, best_rate = q, rate

@@ -110,7 +110,7 @@ class LookaheadDecoder:
         self.prefix_cache = PrefixCache(prefix_cache_tokens)
         self.cost = CostModel.for_device(self.device.type, linear_kernel_of(model))
         self.head_of_hidden = plain_output_layer(model)
-        self.calibration = Calibration(INITIAL_CALIBRATION)
+        self.calibration = Calibration(INITIAL_CALIBRATION, INITIAL_CALIBRATION)
 
     def start(
         self,
@@ -251,7 +251,8 @@ class Generation:
         self.finish_reason: str | None = None
         self.in_pool = False  # holds a KV pool slot (prefilled and not yet finished)
         self.eos = frozenset() if params.ignore_eos else frozenset(decoder.eos_token_ids)
-        self.calibration = Calibration(decoder.calibration.ratio, rate=_REQUEST_CALIBRATION_RATE)
+        shared = decoder.calibration
+        self.calibration = Calibration(shared.ratio, shared.side_ratio, rate=_REQUEST_CALIBRATION_RATE)
         self.selector = TokenSelector(params, self.prompt_len, decoder.eos_token_ids, decoder.device)
         self.detokenizer = Detokenizer(decoder.tokenizer, prompt_ids, params.stop)
         self.local: NGramTrie | None = None
@@ -351,13 +352,11 @@ class Generation:
 
     def _record_verdict(self, draft: Draft, verdict: Verdict) -> None:
         """Count the draft's fed and accepted tokens, and calibrate its probabilities against them."""
-        accepted = len(verdict.accepted_nodes)
         if len(draft) > 1:
-            predicted = sum(draft.probs[1:])
             for calibration in (self.decoder.calibration, self.calibration):
-                calibration.observe(predicted, accepted)
+                calibration.observe(draft, verdict.accepted_nodes)
         self.stats.draft_tokens += len(draft) - 1
-        self.stats.accepted_draft_tokens += accepted
+        self.stats.accepted_draft_tokens += len(verdict.accepted_nodes)
 
     def _commit(self, tokens: list[int]) -> StepOutput:
         """Append the step's tokens, applying length and EOS limits; feed the tries and the detokenizer."""

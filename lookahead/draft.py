@@ -45,6 +45,14 @@ class Draft:
             depths[i] = depths[self.parents[i]] + 1
         return depths
 
+    def first_branch(self) -> int:
+        """Length of the first branch, nodes 1..m each the first child of the one before: the best
+        branch, as retrieval lays drafts out."""
+        m = 0
+        while m + 1 < len(self.parents) and self.parents[m + 1] == m:
+            m += 1
+        return m
+
     def children(self) -> list[list[int]]:
         """Child indices of every node, in draft order."""
         kids: list[list[int]] = [[] for _ in self.tokens]

@@ -68,12 +68,28 @@ def test_calibration_learns_that_the_trie_is_overconfident() -> None:
     confident = chain([0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2])
     assert len(choose_draft(confident, CostModel(CPU_PRIOR), calibration)) == 9
     for _ in range(50):
-        calibration.observe(predicted=4.0, accepted=0)
+        calibration.observe(confident, accepted_nodes=[])
     assert calibration.ratio == MIN_CALIBRATION
     # Still a one-token draft, so that the request goes on learning whether drafts pay again.
     assert len(choose_draft(confident, CostModel(CPU_PRIOR), calibration)) == 2
-    calibration.observe(predicted=1.0, accepted=1)
+    calibration.observe(confident, accepted_nodes=[1])
     assert calibration.ratio > MIN_CALIBRATION
+
+
+def test_side_branches_are_calibrated_apart_from_the_first() -> None:
+    # root -> 1 -> 2 -> 3 is the first branch; 4 (under 1) and 5 (under the root) are side nodes.
+    tree = Draft([9, 1, 2, 3, 4, 5], [-1, 0, 1, 2, 1, 0], [1.0, 0.9, 0.8, 0.7, 0.6, 0.5])
+    assert tree.first_branch() == 3 and chain([0.5] * 4).first_branch() == 4
+    calibration = Calibration()
+    for _ in range(50):  # the model always follows the first branch
+        calibration.observe(tree, accepted_nodes=[1, 2, 3])
+    assert calibration.ratio == 1.0 and calibration.side_ratio == MIN_CALIBRATION
+    weights = calibration.calibrated(tree)
+    assert weights[:4] == tree.probs[:4] and weights[4:] == [0.6 * MIN_CALIBRATION, 0.5 * MIN_CALIBRATION]
+    assert choose_draft(tree, CostModel(CPU_PRIOR), calibration).tokens == [9, 1, 2, 3]
+    assert choose_draft(tree, CostModel(CPU_PRIOR), Calibration()).tokens == tree.tokens
+    # a side node is never weighted above its parent, so every plan stays a connected subtree
+    assert Calibration(ratio=0.2, side_ratio=1.0).calibrated(tree)[4] == 0.2 * 0.9
 
 
 def test_batch_shares_one_width_and_the_budget() -> None:
