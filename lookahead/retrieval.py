@@ -198,8 +198,8 @@ def _best_first(
         _, _, node = heapq.heappop(frontier)
         index = len(selected)
         selected.append(node)
-        token, _, prob, local_node, shared_node, depth, copy_index = node
-        if depth == depth_limit or len(selected) == budget or (depth and token in stop_tokens):
+        _, _, prob, local_node, shared_node, depth, copy_index = node
+        if depth == depth_limit or len(selected) == budget or _ends_request(node, stop_tokens):
             continue
         for conditional, token, local_child, shared_child, child_copy in view.continuations(
             local_node, shared_node, query_len + depth, copy_index
@@ -217,7 +217,7 @@ def _best_chain(
 ) -> list[_Node]:
     """`one` mode: follow the most probable child at each level."""
     chain = [start]
-    while chain[-1][5] < depth_limit and not (chain[-1][5] and chain[-1][0] in stop_tokens):
+    while chain[-1][5] < depth_limit and not _ends_request(chain[-1], stop_tokens):
         _, _, prob, local_node, shared_node, depth, copy_index = chain[-1]
         options = view.continuations(local_node, shared_node, query_len + depth, copy_index)
         if not options:
@@ -229,6 +229,13 @@ def _best_chain(
             (token, len(chain) - 1, prob * conditional, local_child, shared_child, depth + 1, child_copy)
         )
     return chain
+
+
+def _ends_request(node: _Node, stop_tokens: frozenset[int]) -> bool:
+    """A draft node carrying a stop token, below which nothing could be accepted. The root is
+    already committed text, and a prompt may well end with an EOS id."""
+    token, depth = node[0], node[5]
+    return depth > 0 and token in stop_tokens
 
 
 def _layout(nodes: list[_Node], mode: str, budget: int) -> Draft:
