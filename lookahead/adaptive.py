@@ -20,10 +20,11 @@ from .draft import Draft
 # Relative forward cost by number of new tokens, before any step was measured. CPU: SmolLM2-135M,
 # fp32, 2 threads. Stock transformers layers: 300 cached tokens, q=1 47 ms, q=2 50, q=4 70, q=8 85,
 # q=16 98, q=32 113, q=64 159 (scripts/bench_forward.py, 256 cached, later gave close ratios:
-# 1.08, 1.56, 1.93, 2.11, 2.61, 3.78). Packed kernel with lean layers (bench_forward, 256 cached):
-# q=1 19.9 ms, q=2 20.4, q=4 23.2, q=8 29.2, q=16 41.4, q=32 64.5, q=64 108.6.
+# 1.08, 1.56, 1.93, 2.11, 2.61, 3.78). Packed kernel (int4 form) with lean layers run from C++
+# (bench_forward, 256 cached): q=1 14.2 ms, q=2 15.2, q=4 17.4, q=8 23.2, q=16 36.1, q=32 56.5,
+# q=64 106.0.
 CPU_PRIOR = {1: 1.0, 2: 1.06, 4: 1.5, 8: 1.8, 16: 2.1, 32: 2.4, 64: 3.4, 128: 5.5}
-PACKED_CPU_PRIOR = {1: 1.0, 2: 1.02, 4: 1.17, 8: 1.46, 16: 2.08, 32: 3.23, 64: 5.44, 128: 10.0}
+PACKED_CPU_PRIOR = {1: 1.0, 2: 1.07, 4: 1.23, 8: 1.63, 16: 2.54, 32: 3.98, 64: 7.47, 128: 14.5}
 GPU_PRIOR = {1: 1.0, 2: 1.02, 4: 1.03, 8: 1.05, 16: 1.08, 32: 1.15, 64: 1.3, 128: 1.7}
 _EMA = 0.1
 # Lowest calibration ratio. Calibration only learns from drafts that are fed, and a ratio too

@@ -4,8 +4,10 @@ Stock fp32 linear layers re-pack their weights on every matrix-matrix call, so v
 16-token draft tree costs about 2x a one-token step. `pack_linear_layers` swaps every fp32
 `nn.Linear` of a model for a `PackedLinear` whose weights are packed once for the AVX-512 kernel
 in `csrc/packed_linear.cpp` (compiled once with the machine's g++ into .cache/kernels). Weights
-that are exactly a dequantised 4- or 8-bit checkpoint (the default model's are) are kept in an
-int8 form the kernel rebuilds bit for bit, so a step streams a quarter of the bytes.
+that are exactly a dequantised 4- or 8-bit checkpoint (the default model's are) are kept as
+integers and fp16 scales the kernel rebuilds them from bit for bit: a byte per weight (int8 form),
+or half a byte where every integer is in 0..15 (int4 form), plus 1/8 byte of scales, so a step
+streams 28% or 16% of the fp32 bytes.
 
 The kernel's results do not depend on the number of rows fed together, so plain and
 speculative decoding on this path produce the same logits bit for bit.
@@ -13,6 +15,7 @@ speculative decoding on this path produce the same logits bit for bit.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 from functools import cache
@@ -25,8 +28,8 @@ from torch import nn
 
 LINEAR_KERNELS = ("auto", "packed", "stock")
 _LANES = 16  # outputs per packed block, as in csrc/packed_linear.cpp
-_GROUP = 32  # inputs sharing one (d, m) in the int8 form
-_SOURCE = Path(__file__).with_name("csrc") / "packed_linear.cpp"
+_GROUP = 32  # inputs sharing one (d, m) in the int8 and int4 forms
+_SOURCES = Path(__file__).with_name("csrc")  # the kernel, the lean layers and their bindings
 _BUILD_ROOT = Path(
     os.environ.get("LOOKAHEAD_KERNEL_DIR") or Path(__file__).resolve().parents[1] / ".cache" / "kernels"
 )
@@ -46,7 +49,7 @@ def cpu_has_avx512() -> bool:
 
 @cache
 def _extension() -> ModuleType:
-    """Compile (first time, ~30 s) or load the kernel; the build is keyed by source, flags and torch."""
+    """Compile (first time, ~1 min) or load the kernel; the build is keyed by sources, flags and torch."""
     if not cpu_has_avx512():
         raise PackedLinearUnavailable(
             f"the packed kernel needs an AVX-512 CPU (this one: {torch.backends.cpu.get_cpu_capability()})"
@@ -59,18 +62,20 @@ def _extension() -> ModuleType:
         os.environ["PATH"] = f"{ninja.BIN_DIR}{os.pathsep}{os.environ.get('PATH', '')}"
     except ImportError:
         pass  # a ninja on PATH will do
-    build = _BUILD_ROOT / f"packed_linear-torch{torch.__version__}"
+    files = sorted(_SOURCES.glob("*.[ch]*"))
+    digest = hashlib.sha256(b"".join(f.read_bytes() for f in files) + " ".join(_FLAGS).encode()).hexdigest()
+    build = _BUILD_ROOT / f"packed_linear-torch{torch.__version__}-{digest[:12]}"
     build.mkdir(parents=True, exist_ok=True)
     try:
         return cpp_extension.load(
             "lookahead_packed_linear",
-            [str(_SOURCE)],
+            [str(f) for f in files if f.suffix == ".cpp"],
             extra_cflags=_FLAGS,
             extra_ldflags=["-fopenmp"],
             build_directory=str(build),
         )
     except (OSError, RuntimeError, ImportError) as error:
-        raise PackedLinearUnavailable(f"could not build {_SOURCE.name}: {error}") from error
+        raise PackedLinearUnavailable(f"could not build the kernel in {_SOURCES}: {error}") from error
 
 
 # Sibling layers that always read the same input (attention q/k/v, MLP gate/up): packed as one
@@ -81,8 +86,9 @@ FUSED_SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 class PackedWeights(nn.Module):
     """The weights of one or more fp32 linear layers (same input) packed for the kernel.
 
-    Kept as int8 blocks when exactly representable. Fused siblings share one kernel call: the
-    product is kept, keyed by the input tensor's identity, until every sibling has taken it.
+    Kept as integer blocks (`form` int8 or int4) when exactly representable, else as fp32. Fused
+    siblings share one kernel call: the product is kept, keyed by the input tensor's identity,
+    until every sibling has taken it.
     """
 
     def __init__(self, linears: list[nn.Linear]):
@@ -91,15 +97,28 @@ class PackedWeights(nn.Module):
         self.out_features = sum(linear.out_features for linear in linears)
         weight = torch.cat([linear.weight.detach() for linear in linears])
         blocks = exact_int8_blocks(weight)
-        self.int8 = blocks is not None
         if blocks is None:
+            self.form = "fp32"
             self.register_buffer("weight_packed", _pack_columns(weight))
         else:
-            for name, tensor in zip(("q_packed", "d_packed", "m_packed"), blocks):
-                self.register_buffer(name, _pack_columns(tensor))
+            q, d, m = blocks
+            self.form = "int4" if bool(((q >= 0) & (q <= 15)).all()) else "int8"
+            q_packed = _pack_columns(q)
+            if self.form == "int4":  # inputs 2k and 2k + 1 share a byte, low nibble first
+                q_packed = (q_packed[:, 0::2] | (q_packed[:, 1::2] << 4)).view(torch.uint8)
+            self.register_buffer("q_packed", q_packed)
+            self.register_buffer("d_packed", _pack_columns(d))
+            self.register_buffer("m_packed", _pack_columns(m))
         biases = [linear.bias for linear in linears]
         self.register_buffer("bias", None if biases[0] is None else torch.cat([b.detach() for b in biases]))
-        self._extension = _extension()
+        self.matrix = _extension().PackedMatrix(  # holds the buffers above, not copies
+            self.form,
+            self.weight_packed if self.form == "fp32" else self.q_packed,
+            None if self.form == "fp32" else self.d_packed,
+            None if self.form == "fp32" else self.m_packed,
+            self.bias,
+            self.out_features,
+        )
         self._siblings = len(linears)
         self._shared: tuple[torch.Tensor, torch.Tensor] | None = None  # (input, product)
         self._takers_left = 0
@@ -119,18 +138,10 @@ class PackedWeights(nn.Module):
 
     def product(self, rows: torch.Tensor) -> torch.Tensor:
         """rows [M, in_features] (contiguous) @ W^T + bias: [M, out_features], every sibling's outputs."""
-        if self.int8:
-            scaled = (self.q_packed, self.d_packed, self.m_packed)
-            y = self._extension.int8_linear(rows, *scaled, self.out_features)
-        else:
-            y = self._extension.fp32_linear(rows, self.weight_packed, self.out_features)
-        if self.bias is not None:
-            y += self.bias
-        return y
+        return self.matrix(rows)
 
     def extra_repr(self) -> str:
-        form = "int8 blocks" if self.int8 else "fp32"
-        return f"in_features={self.in_features}, out_features={self.out_features}, {form}"
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.form}"
 
 
 class PackedLinear(nn.Module):
@@ -156,12 +167,13 @@ class PackedLinear(nn.Module):
 def exact_int8_blocks(
     weight: torch.Tensor, chunk_rows: int = 4096
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """(q int8 [N, K], d [N, K/32], m [N, K/32]) with weight == fl(fl(d * q) + m) bit for bit, else None.
+    """(q int8 [N, K], d fp16 [N, K/32], m fp16 [N, K/32]) with weight == fl(fl(d * q) + m) bit for
+    bit, else None.
 
     A model dequantised from a Q4_1- or Q8_0-style checkpoint (the default model is) has such
-    weights: every 32 consecutive inputs of a row share one scale d and offset m. Candidates for
-    d are the half-precision neighbours of (max - min) / 15 (4-bit, m = min) and of
-    max|w| / 127 (8-bit, m = 0); a block is kept only if one rebuilds it exactly.
+    weights: every 32 consecutive inputs of a row share one half-precision scale d and offset m.
+    Candidates for d are the half-precision neighbours of (max - min) / 15 (4-bit, m = min) and
+    of max|w| / 127 (8-bit, m = 0); a block is kept only if one rebuilds it exactly.
     """
     rows, inputs = weight.shape
     if weight.dtype != torch.float32 or inputs % _GROUP:
@@ -189,11 +201,12 @@ def _exact_int8_chunk(groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
         q = torch.where(scale > 0, torch.round((groups - offset) / scale), 0).clamp(q_min, q_max)
         rebuilt = scale * q + offset
         hit = (rebuilt.view(torch.int32) == groups.view(torch.int32)).all(-1, keepdim=True) & ~exact
+        hit &= offset.half().float() == offset
         best_q = torch.where(hit, q.to(torch.int8), best_q)
         best_d, best_m = torch.where(hit, scale, best_d), torch.where(hit, offset, best_m)
         exact |= hit
         if bool(exact.all()):  # the usual case after the first candidate: no need to try the rest
-            return best_q, best_d.squeeze(-1), best_m.squeeze(-1)
+            return best_q, best_d.squeeze(-1).half(), best_m.squeeze(-1).half()
     return None
 
 

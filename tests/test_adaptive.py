@@ -52,7 +52,7 @@ def test_measured_costs_replace_the_prior() -> None:
 
 
 def test_a_width_between_two_points_is_charged_for_itself() -> None:
-    cost = CostModel(PACKED_CPU_PRIOR)
+    cost = CostModel({1: 1.0, 2: 1.02, 4: 1.17, 8: 1.46, 16: 2.08, 32: 3.23, 64: 5.44, 128: 10.0})
     for _ in range(3):
         cost.observe(1, 0.10)
         cost.observe(20, 0.20)  # credited to the point 16, scaled by the prior's slope

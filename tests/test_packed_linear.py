@@ -1,4 +1,4 @@
-"""The packed linear kernel: same results as nn.Linear, independent of the batch, exact int8 form."""
+"""The packed linear kernel: same results as nn.Linear, independent of the batch, exact integer forms."""
 
 from __future__ import annotations
 
@@ -54,14 +54,18 @@ def test_packed_linear_computes_what_nn_linear_does(outputs: int, inputs: int, b
         torch.testing.assert_close(got, linear(x), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("weight_kind", ["fp32", "int8"])
-def test_each_rows_result_does_not_depend_on_the_other_rows(weight_kind: str) -> None:
-    weight = torch.randn(200, 128) if weight_kind == "fp32" else dequantised(200, 128, 4, seed=1)
-    linear = nn.Linear(128, 200, bias=False)
+def packed_from(weight: torch.Tensor) -> PackedLinear:
+    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
     linear.weight.data.copy_(weight)
-    packed = PackedLinear.from_linear(linear)
-    assert packed.weights.int8 == (weight_kind == "int8")
-    x = torch.randn(100, 128)  # 100 rows: 9 row tiles, enough for int8 blocks to be rebuilt once
+    return PackedLinear.from_linear(linear)
+
+
+@pytest.mark.parametrize("form", ["fp32", "int8", "int4"])
+def test_each_rows_result_does_not_depend_on_the_other_rows(form: str) -> None:
+    weight = torch.randn(200, 128) if form == "fp32" else dequantised(200, 128, int(form[3:]), seed=1)
+    packed = packed_from(weight)
+    assert packed.weights.form == form
+    x = torch.randn(100, 128)  # 100 rows: 9 row tiles, enough for integer blocks to be rebuilt once
     together = packed(x)
     for count in (1, 2, 5, 16, 33, 99):
         assert torch.equal(packed(x[:count]), together[:count]), f"{count} rows"
@@ -69,20 +73,23 @@ def test_each_rows_result_does_not_depend_on_the_other_rows(weight_kind: str) ->
 
 
 @pytest.mark.parametrize("bits", [4, 8])
-def test_int8_form_rebuilds_dequantised_weights_bit_for_bit(bits: int) -> None:
+def test_integer_forms_rebuild_dequantised_weights_bit_for_bit(bits: int) -> None:
     weight = dequantised(64, 96, bits, seed=bits)
     blocks = exact_int8_blocks(weight)
     assert blocks is not None
     q, d, m = blocks
-    rebuilt = d.repeat_interleave(32, dim=1) * q.float() + m.repeat_interleave(32, dim=1)
+    assert d.dtype == m.dtype == torch.float16
+    rebuilt = d.float().repeat_interleave(32, dim=1) * q.float() + m.float().repeat_interleave(32, dim=1)
     assert torch.equal(rebuilt.view(torch.int32), weight.view(torch.int32))
-    # The kernel on the int8 form returns exactly what it returns on the fp32 form, with weights
+    packed = packed_from(weight)
+    assert packed.weights.form == f"int{bits}"
+    assert packed.weights.q_packed.numel() == 64 * 96 * bits // 8  # a byte, or half a byte, per weight
+    # The kernel on the integer form returns exactly what it returns on the fp32 form, with weights
     # rebuilt as they stream (few row tiles) or once per group of blocks (many, here 10).
     extension = _extension()
-    for rows in (9, 30, 120):
+    for rows in (1, 9, 30, 120):
         x = torch.randn(rows, 96)
-        int8 = extension.int8_linear(x, *(_pack_columns(t) for t in (q, d, m)), 64)
-        assert torch.equal(int8, extension.fp32_linear(x, _pack_columns(weight), 64)), f"{rows} rows"
+        assert torch.equal(packed(x), extension.fp32_linear(x, _pack_columns(weight), 64)), f"{rows} rows"
 
 
 def test_ordinary_weights_stay_fp32() -> None:
@@ -91,6 +98,10 @@ def test_ordinary_weights_stay_fp32() -> None:
     almost = dequantised(16, 64, 4, seed=0)
     almost[3, 7] = torch.nextafter(almost[3, 7], torch.tensor(1.0))  # one weight off by one ulp
     assert exact_int8_blocks(almost) is None
+    # Q4_1-shaped, but with an offset half precision cannot hold (the kernel reads fp16 scales)
+    q = torch.randint(0, 16, (16, 2, 32), generator=torch.Generator().manual_seed(0)).float()
+    q[..., 0], q[..., 1] = 0, 15
+    assert exact_int8_blocks((2**-7 * q - 0.1).reshape(16, 64)) is None
 
 
 def test_kernel_choice_and_its_errors(tiny_model) -> None:
@@ -108,21 +119,22 @@ def test_kernel_choice_and_its_errors(tiny_model) -> None:
     assert sum(isinstance(module, PackedLinear) for module in model.modules()) == 2 * 7 + 1
 
 
-def quantise_in_place(model: nn.Module) -> None:
-    """Give every linear layer Q4_1-dequantised weights, so that packing picks the int8 form."""
+def quantise_in_place(model: nn.Module, bits: int) -> None:
+    """Give every linear layer Q4_1- or Q8_0-dequantised weights, so that packing picks an integer form."""
     for index, module in enumerate(m for m in model.modules() if isinstance(m, nn.Linear)):
         outputs, inputs = module.weight.shape
-        module.weight.data.copy_(dequantised(outputs, inputs, 4, seed=index) * 4)
+        module.weight.data.copy_(dequantised(outputs, inputs, bits, seed=index) * 4)
 
 
-@pytest.mark.parametrize("weights", ["fp32", "int8"])
+@pytest.mark.parametrize("weights", ["fp32", "int8", "int4"])
 def test_lookahead_on_the_packed_path_is_lossless(weights: str, tiny_model, byte_tokenizer) -> None:
     model = tiny_model("llama", tie_word_embeddings=False)
-    if weights == "int8":
-        quantise_in_place(model)
+    if weights != "fp32":
+        quantise_in_place(model, int(weights[3:]))
     apply_linear_kernel(model, "packed")
     packed = [module for module in model.modules() if isinstance(module, PackedLinear)]
-    assert packed and all(module.weights.int8 == (weights == "int8") for module in packed)
+    assert packed and all(module.weights.form == weights for module in packed)
+    model.generation_config.eos_token_id = None  # both decode all 24 tokens, whatever they are
     rng = random.Random(weights)
     vocab = model.config.vocab_size
     for case in range(4):
@@ -135,7 +147,7 @@ def test_lookahead_on_the_packed_path_is_lossless(weights: str, tiny_model, byte
             trie.insert([rng.randrange(vocab) for _ in range(20)])
         config = LookaheadConfig(decoding_length=12, branch_length=5, decoding_mode="hier", adaptive=False)
         ids, stats = LookaheadDecoder(model, byte_tokenizer, trie, config).generate(
-            prompt, SamplingParams(max_tokens=24)
+            prompt, SamplingParams(max_tokens=24, ignore_eos=True)
         )
         assert ids == expected
         assert stats.accepted_draft_tokens > 0

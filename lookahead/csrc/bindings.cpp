@@ -1,0 +1,46 @@
+// The Python module lookahead.packed_linear builds: the kernel, packed matrices, lean layers.
+#include "lean_layer.h"
+
+namespace {
+
+PackedMatrix packed_matrix(const std::string& form, torch::Tensor weights, std::optional<torch::Tensor> d,
+                           std::optional<torch::Tensor> m, std::optional<torch::Tensor> bias, int64_t N) {
+  using Form = PackedMatrix::Form;
+  const Form kind = form == "fp32" ? Form::kFp32 : form == "int8" ? Form::kInt8 : Form::kInt4;
+  TORCH_CHECK(form == "fp32" || form == "int8" || form == "int4", "unknown packed form ", form);
+  TORCH_CHECK(kind == Form::kFp32 || (d && m), "an integer form needs its scales");
+  return {kind, std::move(weights), d.value_or(torch::Tensor()), m.value_or(torch::Tensor()),
+          bias.value_or(torch::Tensor()), N};
+}
+
+using NormWeights = std::pair<torch::Tensor, double>;  // (weight, eps), as Python passes them
+
+std::optional<RmsNorm> optional_norm(const std::optional<NormWeights>& norm) {
+  if (!norm) return std::nullopt;
+  return RmsNorm{norm->first, norm->second};
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
+  module.def("fp32_linear", &fp32_linear, "x @ W^T, W packed [N/16, K, 16]");
+  module.def("int8_linear", &int8_linear, "x @ W^T, W = d * q + m packed [N/16, K, 16] + [N/16, K/32, 16] x 2");
+  module.def("int4_linear", &int4_linear, "int8_linear with q in 0..15 packed two per byte [N/16, K/2, 16]");
+  pybind11::class_<PackedMatrix>(module, "PackedMatrix")
+      .def(pybind11::init(&packed_matrix), pybind11::arg("form"), pybind11::arg("weights"), pybind11::arg("d"),
+           pybind11::arg("m"), pybind11::arg("bias"), pybind11::arg("N"))
+      .def("__call__", &PackedMatrix::operator(), "rows [M, K] -> [M, N]");
+  pybind11::class_<LeanLayer>(module, "LeanLayer")
+      .def(pybind11::init([](PackedMatrix qkv, PackedMatrix o, PackedMatrix gate_up, PackedMatrix down,
+                             NormWeights input_norm, NormWeights post_norm, std::optional<NormWeights> query_norm,
+                             std::optional<NormWeights> key_norm, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                             int64_t inner, double scaling) {
+             return LeanLayer{qkv, o, gate_up, down,
+                              RmsNorm{input_norm.first, input_norm.second},
+                              RmsNorm{post_norm.first, post_norm.second},
+                              optional_norm(query_norm), optional_norm(key_norm), heads, kv_heads, head_dim,
+                              inner, scaling};
+           }))
+      .def("before_attention", &LeanLayer::before_attention)
+      .def("after_attention", &LeanLayer::after_attention);
+}

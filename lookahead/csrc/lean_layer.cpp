@@ -1,0 +1,39 @@
+// See lean_layer.h. Every line mirrors one of lookahead/lean_layers.py's former Python lines,
+// which mirrored transformers' Llama layer; load-time probes compare the bits with the model's own.
+#include "lean_layer.h"
+
+using torch::indexing::Slice;
+
+torch::Tensor RmsNorm::operator()(const torch::Tensor& x) const {
+  return weight * (x * torch::rsqrt(x.pow(2).mean(-1, /*keepdim=*/true) + eps));
+}
+
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> LeanLayer::before_attention(
+    const torch::Tensor& hidden, const torch::Tensor& cos, const torch::Tensor& sin) const {
+  const int64_t batch = hidden.size(0), length = hidden.size(1), width = hidden.size(2), half = head_dim / 2;
+  const auto rows = input_norm(hidden).view({batch * length, width});
+  const auto states = qkv(rows).view({batch, length, heads + 2 * kv_heads, head_dim});
+  auto rotated = states.index({Slice(), Slice(), Slice(0, heads + kv_heads)});
+  auto values = states.index({Slice(), Slice(), Slice(heads + kv_heads)}).transpose(1, 2);
+  if (query_norm)
+    rotated = torch::cat({(*query_norm)(rotated.index({Slice(), Slice(), Slice(0, heads)})),
+                          (*key_norm)(rotated.index({Slice(), Slice(), Slice(heads)}))},
+                         2);
+  rotated = rotated.transpose(1, 2);
+  const auto turned = torch::cat({-rotated.index({"...", Slice(half)}), rotated.index({"...", Slice(0, half)})}, -1);
+  rotated = (rotated * cos.unsqueeze(1)) + (turned * sin.unsqueeze(1));
+  return {rotated.index({Slice(), Slice(0, heads)}), rotated.index({Slice(), Slice(heads)}), values};
+}
+
+torch::Tensor LeanLayer::after_attention(const torch::Tensor& hidden, const torch::Tensor& queries,
+                                         const torch::Tensor& keys, const torch::Tensor& values,
+                                         const std::optional<torch::Tensor>& mask, bool causal) const {
+  const int64_t batch = hidden.size(0), length = hidden.size(1), width = hidden.size(2);
+  auto attended = at::scaled_dot_product_attention(queries, keys, values, mask, 0.0, causal, scaling,
+                                                   /*enable_gqa=*/true);
+  attended = attended.transpose(1, 2).reshape({batch * length, heads * head_dim});
+  const auto residual = hidden + o(attended).view({batch, length, width});
+  const auto projected = gate_up(post_norm(residual).view({batch * length, width}));
+  const auto activated = torch::silu(projected.index({Slice(), Slice(0, inner)})) * projected.index({Slice(), Slice(inner)});
+  return residual + down(activated).view({batch, length, width});
+}

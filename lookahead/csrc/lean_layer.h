@@ -1,0 +1,40 @@
+// A Llama-shaped decoder layer (Llama, Mistral, Qwen2, Qwen3) on packed matrices, run from C++.
+//
+// The layer issues the same ATen operations, in the same order, as transformers' layer, so its
+// results are the same bits; what it saves is the Python around ~35 small operations a layer,
+// which costs more than their arithmetic when a step feeds a few tokens. The KV cache update
+// between the two halves stays in Python (transformers' caches or the decoder's KV pool).
+#pragma once
+
+#include <optional>
+#include <tuple>
+
+#include "packed_linear.h"
+
+// RMSNorm as transformers computes it: weight * (x * rsqrt(mean(x^2) + eps)).
+struct RmsNorm {
+  torch::Tensor weight;
+  double eps;
+
+  torch::Tensor operator()(const torch::Tensor& x) const;
+};
+
+struct LeanLayer {
+  PackedMatrix qkv, o, gate_up, down;  // q/k/v and gate/up fused
+  RmsNorm input_norm, post_norm;
+  std::optional<RmsNorm> query_norm, key_norm;  // Qwen3 normalises each query and key head
+  int64_t heads, kv_heads, head_dim, inner;
+  double scaling;
+
+  // hidden [B, L, W], cos and sin [B, L, D] -> queries [B, heads, L, D], keys and values
+  // [B, kv_heads, L, D]: the new tokens' entries, RoPE applied to queries and keys.
+  std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> before_attention(const torch::Tensor& hidden,
+                                                                           const torch::Tensor& cos,
+                                                                           const torch::Tensor& sin) const;
+
+  // Attention of `queries` over keys and values (the cache's and the new ones), then the output
+  // projection, the MLP and both residuals: the layer's output [B, L, W].
+  torch::Tensor after_attention(const torch::Tensor& hidden, const torch::Tensor& queries, const torch::Tensor& keys,
+                                const torch::Tensor& values, const std::optional<torch::Tensor>& mask,
+                                bool causal) const;
+};
