@@ -37,7 +37,7 @@ class KVPool:
         self.values: list[torch.Tensor] = []
         self.owners: list[object | None] = []
         self.past_length = 0
-        self._write: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._write: tuple[torch.Tensor | int, torch.Tensor | slice] | None = None  # (slots, positions)
         self._read_length = 0
 
     @property
@@ -92,10 +92,13 @@ class KVPool:
 
     def step_cache(self, lengths: list[int], q: int) -> Cache:
         """A cache for one forward of q tokens per slot 0..k-1, slot i writing at lengths[i]."""
-        device = self.keys[0].device
-        starts = torch.tensor(lengths, device=device)
-        batch = torch.arange(len(lengths), device=device)[:, None].expand(-1, q)
-        self._write = (batch, starts[:, None] + torch.arange(q, device=device))
+        if len(lengths) == 1:  # one request: a slice copy, a third of an index_put's overhead
+            self._write = (0, slice(lengths[0], lengths[0] + q))
+        else:
+            device = self.keys[0].device
+            starts = torch.tensor(lengths, device=device)
+            batch = torch.arange(len(lengths), device=device)[:, None].expand(-1, q)
+            self._write = (batch, starts[:, None] + torch.arange(q, device=device))
         self._read_length = max(lengths) + q
         self.past_length = max(lengths)
         self.reserve(self._read_length)
@@ -104,8 +107,12 @@ class KVPool:
     def write_and_read(self, layer: int, keys: torch.Tensor, values: torch.Tensor):
         batch, positions = self._write
         k = keys.shape[0]
-        self.keys[layer][batch, :, positions] = keys.transpose(1, 2)
-        self.values[layer][batch, :, positions] = values.transpose(1, 2)
+        if isinstance(positions, slice):
+            self.keys[layer][0, :, positions] = keys[0]
+            self.values[layer][0, :, positions] = values[0]
+        else:
+            self.keys[layer][batch, :, positions] = keys.transpose(1, 2)
+            self.values[layer][batch, :, positions] = values.transpose(1, 2)
         return self.keys[layer][:k, :, : self._read_length], self.values[layer][:k, :, : self._read_length]
 
     def compact(self, moves: list[tuple[int, int, int]]) -> None:
