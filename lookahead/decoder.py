@@ -39,9 +39,10 @@ from .verify import Verdict, verify
 INITIAL_CALIBRATION = 0.35
 _REQUEST_CALIBRATION_RATE = 0.15  # a request's own acceptance history soon outweighs the global one
 # Above this many running requests drafts stop paying on a 2-core CPU with the packed kernel, where a
-# plain step of 8 rows costs only 1.46x one row: 16 HumanEval requests, 8 at a time, ran 9% slower
-# drafting than plain; at 4 at a time both broke even (in-process, same run). A GPU can afford more.
-MAX_SPECULATIVE_BATCH = 4
+# plain step of 8 rows costs 1.63x one row. Server load test, 16 HumanEval requests a level: with
+# drafts up to 4 running requests, concurrency 4 ran at 0.91x plain decoding; up to 3, concurrency
+# 2 / 3 / 4 at 1.13x / 1.09x / 1.00x (same run). A GPU can afford more.
+MAX_SPECULATIVE_BATCH = 3
 # Prompt tokens whose KV the decoder keeps for later prompts with the same prefix: 94 MB of fp32
 # KV for the default model, enough for its chat system prompt and the last several conversations.
 PREFIX_CACHE_TOKENS = 2048
