@@ -1,4 +1,4 @@
-// The Python module lookahead.packed_linear builds: the kernel, packed matrices, lean layers.
+// The Python module lookahead.packed_linear builds: packed matrices, lean layers, the fp32 kernel.
 #include "lean_layer.h"
 
 namespace {
@@ -6,8 +6,8 @@ namespace {
 PackedMatrix packed_matrix(const std::string& form, torch::Tensor weights, std::optional<torch::Tensor> d,
                            std::optional<torch::Tensor> m, std::optional<torch::Tensor> bias, int64_t N) {
   using Form = PackedMatrix::Form;
-  const Form kind = form == "fp32" ? Form::kFp32 : form == "int8" ? Form::kInt8 : Form::kInt4;
   TORCH_CHECK(form == "fp32" || form == "int8" || form == "int4", "unknown packed form ", form);
+  const Form kind = form == "fp32" ? Form::kFp32 : form == "int8" ? Form::kInt8 : Form::kInt4;
   TORCH_CHECK(kind == Form::kFp32 || (d && m), "an integer form needs its scales");
   return {kind, std::move(weights), d.value_or(torch::Tensor()), m.value_or(torch::Tensor()),
           bias.value_or(torch::Tensor()), N};
@@ -23,9 +23,7 @@ std::optional<RmsNorm> optional_norm(const std::optional<NormWeights>& norm) {
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
-  module.def("fp32_linear", &fp32_linear, "x @ W^T, W packed [N/16, K, 16]");
-  module.def("int8_linear", &int8_linear, "x @ W^T, W = d * q + m packed [N/16, K, 16] + [N/16, K/32, 16] x 2");
-  module.def("int4_linear", &int4_linear, "int8_linear with q in 0..15 packed two per byte [N/16, K/2, 16]");
+  module.def("fp32_linear", &fp32_linear, "x @ W^T, W packed [N/16, K, 16] (the reference the tests compare with)");
   pybind11::class_<PackedMatrix>(module, "PackedMatrix")
       .def(pybind11::init(&packed_matrix), pybind11::arg("form"), pybind11::arg("weights"), pybind11::arg("d"),
            pybind11::arg("m"), pybind11::arg("bias"), pybind11::arg("N"))

@@ -1,5 +1,5 @@
-// See lean_layer.h. Every line mirrors one of lookahead/lean_layers.py's former Python lines,
-// which mirrored transformers' Llama layer; load-time probes compare the bits with the model's own.
+// See lean_layer.h. Every line mirrors one of transformers' Llama layer (RMSNorm, q/k/v, RoPE,
+// attention, MLP); lookahead/lean_layers.py's load-time probes compare the bits with the model's own.
 #include "lean_layer.h"
 
 using torch::indexing::Slice;
@@ -34,6 +34,7 @@ torch::Tensor LeanLayer::after_attention(const torch::Tensor& hidden, const torc
   attended = attended.transpose(1, 2).reshape({batch * length, heads * head_dim});
   const auto residual = hidden + o(attended).view({batch, length, width});
   const auto projected = gate_up(post_norm(residual).view({batch * length, width}));
-  const auto activated = torch::silu(projected.index({Slice(), Slice(0, inner)})) * projected.index({Slice(), Slice(inner)});
+  const auto gate = projected.index({Slice(), Slice(0, inner)}), up = projected.index({Slice(), Slice(inner)});
+  const auto activated = torch::silu(gate) * up;
   return residual + down(activated).view({batch, length, width});
 }
