@@ -23,11 +23,15 @@ std::optional<RmsNorm> optional_norm(const std::optional<NormWeights>& norm) {
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
-  module.def("fp32_linear", &fp32_linear, "x @ W^T, W packed [N/16, K, 16] (the reference the tests compare with)");
+  // The calls below touch no Python object: they let other Python threads (the backend's
+  // response thread) run while a forward computes.
+  using ReleaseGil = pybind11::call_guard<pybind11::gil_scoped_release>;
+  module.def("fp32_linear", &fp32_linear, "x @ W^T, W packed [N/16, K, 16] (the reference the tests compare with)",
+             ReleaseGil());
   pybind11::class_<PackedMatrix>(module, "PackedMatrix")
       .def(pybind11::init(&packed_matrix), pybind11::arg("form"), pybind11::arg("weights"), pybind11::arg("d"),
            pybind11::arg("m"), pybind11::arg("bias"), pybind11::arg("N"))
-      .def("__call__", &PackedMatrix::operator(), "rows [M, K] -> [M, N]");
+      .def("__call__", &PackedMatrix::operator(), "rows [M, K] -> [M, N]", ReleaseGil());
   pybind11::class_<LeanLayer>(module, "LeanLayer")
       .def(pybind11::init([](PackedMatrix qkv, PackedMatrix o, PackedMatrix gate_up, PackedMatrix down,
                              NormWeights input_norm, NormWeights post_norm, std::optional<NormWeights> query_norm,
@@ -39,6 +43,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
                               optional_norm(query_norm), optional_norm(key_norm), heads, kv_heads, head_dim,
                               inner, scaling};
            }))
-      .def("before_attention", &LeanLayer::before_attention)
-      .def("after_attention", &LeanLayer::after_attention);
+      .def("before_attention", &LeanLayer::before_attention, ReleaseGil())
+      .def("after_attention", &LeanLayer::after_attention, ReleaseGil());
 }
