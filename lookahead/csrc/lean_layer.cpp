@@ -1,4 +1,4 @@
-// See lean_layer.h. Every line mirrors one of transformers' Llama layer (RMSNorm, q/k/v, RoPE,
+// See lean_layer.h. Each line mirrors a step of transformers' Llama layer (RMSNorm, q/k/v, RoPE,
 // attention, MLP); lookahead/lean_layers.py's load-time probes compare the bits with the model's own.
 #include "lean_layer.h"
 
