@@ -3,7 +3,8 @@
 Stock fp32 linear layers re-pack their weights on every matrix-matrix call, so verifying a
 16-token draft tree costs about 2x a one-token step. `pack_linear_layers` swaps every fp32
 `nn.Linear` of a model for a `PackedLinear` whose weights are packed once for the AVX-512 kernel
-in `csrc/packed_linear.cpp` (compiled once with the machine's g++ into .cache/kernels). Weights
+in `csrc/packed_linear.cpp` (compiled once by the machine's g++ into .cache/kernels, with the
+lean layers of `csrc/lean_layer.cpp` and their bindings). Weights
 that are exactly a dequantised 4- or 8-bit checkpoint (the default model's are) are kept as
 integers and fp16 scales the kernel rebuilds them from bit for bit: a byte per weight (int8 form),
 or half a byte where every integer is in 0..15 (int4 form), plus 1/8 byte of scales, so a step
