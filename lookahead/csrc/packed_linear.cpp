@@ -200,14 +200,16 @@ void tile_rows(int rows, const float* x, const Weights& w, float* y, int64_t ldy
 // spend their cycles on multiply-adds rather than on rebuilding the same weights again.
 template <class Weights>
 inline Fp32Weights rebuilt(const Weights& w, int64_t blocks, float* scratch) {
-  for (int64_t j = 0; j < blocks; ++j)
+  for (int64_t j = 0; j < blocks; ++j) {
+    const Weights block = w.at(j);
     for (int64_t k0 = 0; k0 < w.K; k0 += kGroup) {
-      const auto group = w.at(j).template group<1>(k0);
+      const auto group = block.template group<1>(k0);
       for (int64_t k = k0; k < k0 + kGroup; k += 2) {
-        _mm512_storeu_ps(scratch + (j * w.K + k) * kLanes, w.at(j).template load<0>(0, k, group));
-        _mm512_storeu_ps(scratch + (j * w.K + k + 1) * kLanes, w.at(j).template load<1>(0, k, group));
+        _mm512_storeu_ps(scratch + (j * w.K + k) * kLanes, block.template load<0>(0, k, group));
+        _mm512_storeu_ps(scratch + (j * w.K + k + 1) * kLanes, block.template load<1>(0, k, group));
       }
     }
+  }
   return {scratch, w.K};
 }
 
@@ -283,13 +285,7 @@ Scales checked_scales(const torch::Tensor& d, const torch::Tensor& m, int64_t K)
           reinterpret_cast<const uint16_t*>(m.data_ptr<at::Half>())};
 }
 
-}  // namespace
-
-torch::Tensor fp32_linear(const torch::Tensor& x, const torch::Tensor& w, int64_t N) {
-  check_packed(w, torch::kFloat32, 3, "w");
-  return linear(x, Fp32Weights{w.data_ptr<float>(), w.size(1)}, w.size(0), N);
-}
-
+// x: [M, K]; q: [ceil(N / 16), K, 16] int8; d, m: fp16 scales. Returns [M, N].
 torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& d,
                           const torch::Tensor& m, int64_t N) {
   check_packed(q, torch::kInt8, 3, "q");
@@ -297,11 +293,19 @@ torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& q, const 
   return linear(x, Int8Weights{q.data_ptr<int8_t>(), scales, q.size(1)}, q.size(0), N);
 }
 
+// As int8_linear with q in 0..15, two k's per byte: q: [ceil(N / 16), K / 2, 16] uint8.
 torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& d,
                           const torch::Tensor& m, int64_t N) {
   check_packed(q, torch::kUInt8, 3, "q");
   const Scales scales = checked_scales(d, m, 2 * q.size(1));
   return linear(x, Int4Weights{q.data_ptr<uint8_t>(), scales, 2 * q.size(1)}, q.size(0), N);
+}
+
+}  // namespace
+
+torch::Tensor fp32_linear(const torch::Tensor& x, const torch::Tensor& w, int64_t N) {
+  check_packed(w, torch::kFloat32, 3, "w");
+  return linear(x, Fp32Weights{w.data_ptr<float>(), w.size(1)}, w.size(0), N);
 }
 
 torch::Tensor PackedMatrix::operator()(const torch::Tensor& rows) const {
