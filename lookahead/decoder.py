@@ -176,8 +176,7 @@ class LookaheadDecoder:
         lengths = [len(gen.ids) - 1 for gen in gens]
         logits = self.forward_drafts(drafts, lengths)
         verdicts = [
-            verify(draft, rows, torch.tensor(gen.ids, device=rows.device), gen.selector)
-            for gen, draft, rows in zip(gens, drafts, logits)
+            verify(draft, rows, gen.ids, gen.selector) for gen, draft, rows in zip(gens, drafts, logits)
         ]
         self.pool.compact(
             [
@@ -319,7 +318,7 @@ class Generation:
             inputs["attention_mask"] = mask[None, None].to(decoder.device)
         ids = torch.tensor([self.ids[cached:root] + draft.tokens], device=decoder.device)
         logits = decoder.model(input_ids=ids, **inputs).logits[0]
-        verdict = verify(draft, logits, torch.tensor(self.ids, device=decoder.device), self.selector)
+        verdict = verify(draft, logits, self.ids, self.selector)
         decoder.prefix_cache.store(self.ids, cache)
         self.stats.cached_prompt_tokens = cached
         slot = decoder.pool.admit(self, cache)
