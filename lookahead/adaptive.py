@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 from .draft import Draft
 
@@ -145,10 +146,12 @@ def plan_step(
     widest = max(1, token_budget // k)
     weights = [c.calibrated(d) for d, c in zip(drafts, calibrations)]
     orders = [sorted(range(1, len(w)), key=lambda i, w=w: -w[i]) for w in weights]
+    # gains[r][m]: request r's expected accepted tokens from its m most probable nodes
+    gains = [list(accumulate((w[i] for i in order), initial=0.0)) for w, order in zip(weights, orders)]
     forced = max((len(d) for d, a in zip(drafts, adaptive) if not a), default=1)
     best_q, best_rate = 1, -1.0
     for q in range(min(forced, widest), min(widest, max(len(d) for d in drafts)) + 1):
-        expected = k + sum(sum(w[i] for i in order[: q - 1]) for w, order in zip(weights, orders))
+        expected = k + sum(gain[min(q, len(gain)) - 1] for gain in gains)
         rate = expected / cost.relative(k * q)
         if rate > best_rate:
             best_q, best_rate = q, rate
