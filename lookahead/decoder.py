@@ -1,10 +1,11 @@
 """Lookahead decoding: retrieve a draft tree, verify it in one forward, keep what the model agrees with.
 
-One `Generation` per request holds its token history, its sampler and its own trie (prompt +
-its own output). The decoder holds what requests share: the model, the KV pool, the global trie
-that learns from every generated token, and the online cost model that decides how much
-drafting pays. `decoder.step(generations)` advances any number of requests with one forward:
-each contributes its root token and its draft tree, padded to a common width.
+One `Generation` per request holds its token history, its sampler and its own trie (its prompt;
+its output too when there is no global trie). The decoder holds what requests share: the
+model, the KV pool, the global trie that learns from every generated token, and the online cost
+model that decides how much drafting pays. `decoder.step(generations)` advances any number of
+requests with one forward: each contributes its root token and its draft tree, padded to a
+common width.
 
     gen = decoder.start(prompt_ids, SamplingParams(max_tokens=64))
     while not gen.finished:
@@ -259,12 +260,18 @@ class Generation:
         self.spans: SpanIndex | None = None
         self.writers: list[TrieWriter] = []
         if config.drafting:
+            # The output is learned once: by the shared trie when there is one. Counted in the
+            # request's own trie as well, whatever the output has just copied from the prompt
+            # would count twice there, outranking the prompt's own evidence (replaying the
+            # benchmark sets: 1% fewer forward costs on three of four, 1% more on HumanEval).
+            learns_output = decoder.trie is None
             depth = decoder.trie_depth
-            self.local = NGramTrie(
-                capacity=(self.prompt_len + params.max_tokens) * depth + 1, max_depth=depth
-            )
-            self.writers.append(self.local.writer())
-            self.writers[-1].feed(prompt_ids)
+            capacity = (self.prompt_len + (params.max_tokens if learns_output else 0)) * depth + 1
+            self.local = NGramTrie(capacity=capacity, max_depth=depth)
+            writer = self.local.writer()
+            writer.feed(prompt_ids)
+            if learns_output:
+                self.writers.append(writer)
             self.spans = SpanIndex(prompt_ids)
         if decoder.trie is not None:
             # The shared trie learns outputs, keyed by the prompt's last tokens so that they can be queried.

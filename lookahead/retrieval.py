@@ -1,6 +1,6 @@
 """Draft retrieval: the last few context tokens -> a draft tree read from two n-gram tries.
 
-`local` is the request's own trie (its prompt and its output so far), `shared` the instance's
+`local` is the request's own trie (its prompt; see decoder.py), `shared` the instance's
 global trie. Both are read through one merged view: a merged node is a pair of node ids (either
 may be missing) and its children are the union, by token, of both nodes' children.
 

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from lookahead import LookaheadConfig, LookaheadDecoder, NGramTrie, SamplingParams
+from lookahead.trie import NO_NODE
 from tests.conftest import LINEAR_KERNELS
 
 ARCHITECTURES = ["llama", "qwen2", "qwen3", "mistral", "gemma"]
@@ -170,6 +171,27 @@ def test_stop_string_ends_generation_and_is_not_returned(tiny_model, byte_tokeni
     cut = list(decoder.stream(prompt, SamplingParams(max_tokens=20, stop=(stop,))))
     assert "".join(s.text for s in cut) == text[: text.index(stop)]
     assert cut[-1].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("with_shared_trie", [True, False])
+def test_the_output_is_learned_by_one_trie(with_shared_trie: bool, tiny_model, byte_tokenizer) -> None:
+    """The shared trie learns the output when there is one; the request's own trie only otherwise."""
+    prompt = [5, 6, 7, 8, 9]
+    shared = NGramTrie(capacity=1000, max_depth=9) if with_shared_trie else None
+    decoder = LookaheadDecoder(tiny_model("llama"), byte_tokenizer, shared)
+    gen = decoder.start(prompt, SamplingParams(max_tokens=12))
+    while len(gen.output_ids) < 3:
+        gen.step()
+    assert not gen.finished
+    output = gen.output_ids
+    prompt_only = NGramTrie(capacity=1000, max_depth=decoder.trie_depth)
+    prompt_only.insert(prompt)
+    if with_shared_trie:
+        assert gen.local.node_count == prompt_only.node_count
+        assert shared.match(output[-3:]) != NO_NODE
+    else:
+        assert gen.local.node_count > prompt_only.node_count
+        assert gen.local.match(prompt[-2:] + output[:2]) != NO_NODE
 
 
 def test_close_frees_the_request_state(tiny_model, byte_tokenizer) -> None:
