@@ -8,8 +8,8 @@
 // Weights come in three forms with the same values. Fp32Weights holds them as they are.
 // Int8Weights and Int4Weights hold weights that are exactly fl(fl(d * q) + m) for an integer q
 // and one fp16 (d, m) per 32 inputs, as a model dequantised from an 8- or 4-bit checkpoint is:
-// the kernel rebuilds every weight bit for bit (multiply, then add: this file is built with
-// -ffp-contract=off) from 1.125 bytes (q in a byte) or 0.625 bytes (q in 0..15, two per byte)
+// the kernel rebuilds every weight bit for bit (one fused multiply-add, exact here: see
+// ScaleRegisters) from 1.125 bytes (q in a byte) or 0.625 bytes (q in 0..15, two per byte)
 // rather than 4, and memory bandwidth is what bounds a decoding step on a CPU.
 //
 // Every output is the same sequential fused multiply-add chain over k whatever the number of
@@ -65,7 +65,9 @@ template <int Blocks>
 struct ScaleRegisters {
   __m512 d[Blocks], m[Blocks];
 
-  __m512 rebuild(int j, __m512 q) const { return _mm512_add_ps(_mm512_mul_ps(d[j], q), m[j]); }
+  // fl(fl(d * q) + m) in one instruction: d has at most 11 significant bits (fp16) and |q| <= 255
+  // at most 8, so d * q is exact in fp32 and rounding d * q + m once gives the very same bits.
+  __m512 rebuild(int j, __m512 q) const { return _mm512_fmadd_ps(d[j], q, m[j]); }
 };
 
 // One fp16 (d, m) per 32 inputs: [blocks][K / 32][16] each.
