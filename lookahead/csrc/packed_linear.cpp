@@ -92,18 +92,23 @@ struct Scales {
   }
 };
 
-struct Int8Weights {
-  const int8_t* q;  // [blocks][K][16]
+// What Int8Weights and Int4Weights share: K inputs whose spans of 32 have their own scales.
+struct ScaledWeights {
   Scales scales;
   int64_t K;
 
   template <int Blocks>
   using Group = ScaleRegisters<Blocks>;
 
-  Int8Weights at(int64_t block) const { return {q + block * K * kLanes, scales.at(block, K), K}; }
   int64_t span() const { return kGroup; }
   template <int Blocks>
   Group<Blocks> group(int64_t k) const { return scales.group<Blocks>(K, k); }
+};
+
+struct Int8Weights : ScaledWeights {
+  const int8_t* q;  // [blocks][K][16]
+
+  Int8Weights at(int64_t block) const { return {{scales.at(block, K), K}, q + block * K * kLanes}; }
   template <int H, class G>
   __m512 load(int64_t j, int64_t k, const G& group) const {
     const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + (j * K + k + H) * kLanes));
@@ -115,18 +120,10 @@ struct Int8Weights {
   }
 };
 
-struct Int4Weights {
+struct Int4Weights : ScaledWeights {
   const uint8_t* q;  // [blocks][K / 2][16]: q of k in the low nibble, of k + 1 in the high one
-  Scales scales;
-  int64_t K;
 
-  template <int Blocks>
-  using Group = ScaleRegisters<Blocks>;
-
-  Int4Weights at(int64_t block) const { return {q + block * (K / 2) * kLanes, scales.at(block, K), K}; }
-  int64_t span() const { return kGroup; }
-  template <int Blocks>
-  Group<Blocks> group(int64_t k) const { return scales.group<Blocks>(K, k); }
+  Int4Weights at(int64_t block) const { return {{scales.at(block, K), K}, q + block * (K / 2) * kLanes}; }
   template <int H, class G>
   __m512 load(int64_t j, int64_t k, const G& group) const {
     __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + (j * (K / 2) + k / 2) * kLanes));
@@ -292,7 +289,7 @@ torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& q, const 
                           const torch::Tensor& m, int64_t N) {
   check_packed(q, torch::kInt8, 3, "q");
   const Scales scales = checked_scales(d, m, q.size(1));
-  return linear(x, Int8Weights{q.data_ptr<int8_t>(), scales, q.size(1)}, q.size(0), N);
+  return linear(x, Int8Weights{{scales, q.size(1)}, q.data_ptr<int8_t>()}, q.size(0), N);
 }
 
 // As int8_linear with q in 0..15, two k's per byte: q: [ceil(N / 16), K / 2, 16] uint8.
@@ -300,7 +297,7 @@ torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& q, const 
                           const torch::Tensor& m, int64_t N) {
   check_packed(q, torch::kUInt8, 3, "q");
   const Scales scales = checked_scales(d, m, 2 * q.size(1));
-  return linear(x, Int4Weights{q.data_ptr<uint8_t>(), scales, 2 * q.size(1)}, q.size(0), N);
+  return linear(x, Int4Weights{{scales, 2 * q.size(1)}, q.data_ptr<uint8_t>()}, q.size(0), N);
 }
 
 }  // namespace
