@@ -13,6 +13,8 @@ applies the same rule to the whole batch (see plan_step).
 from __future__ import annotations
 
 import math
+import statistics
+from collections import deque
 from dataclasses import dataclass, field
 from itertools import accumulate
 
@@ -28,6 +30,11 @@ CPU_PRIOR = {1: 1.0, 2: 1.06, 4: 1.5, 8: 1.8, 16: 2.1, 32: 2.4, 64: 3.4, 128: 5.
 PACKED_CPU_PRIOR = {1: 1.0, 2: 1.07, 4: 1.23, 8: 1.63, 16: 2.54, 32: 3.98, 64: 7.47, 128: 14.5}
 GPU_PRIOR = {1: 1.0, 2: 1.02, 4: 1.03, 8: 1.05, 16: 1.08, 32: 1.15, 64: 1.3, 128: 1.7}
 _EMA = 0.1
+# Forward times a cost point is estimated from: their median, since one stalled step (the OS
+# running something else, a page fault) can take ten times a normal one. An average of the raw
+# times priced whole widths out for tens of steps after one such spike: on code editing the
+# online cost of 8 tokens read 45 ms where its median was 25.
+COST_WINDOW = 9
 # Lowest calibration ratio. Calibration only learns from drafts that are fed, and a ratio too
 # low for any draft to pay (on a CPU a one-token draft adds ~6% to a forward) would stop a request
 # drafting for good after a run of misses. Replaying the benchmark sets with the model's known
@@ -52,7 +59,8 @@ def _interpolate(table: dict[int, float], q: float) -> float:
 
 @dataclass
 class CostModel:
-    """Seconds per forward at q = 1, 2, 4, 8, ... new tokens (EMAs), interpolated in between.
+    """Seconds per forward at q = 1, 2, 4, 8, ... new tokens (medians of the last COST_WINDOW
+    forwards credited to each), interpolated in between.
 
     A forward over q tokens is credited to the nearer of the two powers of two around it, scaled
     by the prior's slope between q and that point, so a draft of 20 tokens is neither charged
@@ -60,7 +68,8 @@ class CostModel:
     """
 
     prior: dict[int, float]
-    seconds: dict[int, float] = field(default_factory=dict)
+    seconds: dict[int, float] = field(init=False, default_factory=dict)
+    _recent: dict[int, deque[float]] = field(init=False, default_factory=dict)
     _relative: dict[int, float] = field(init=False)  # cost(point) / cost(1) for every prior point
 
     def __post_init__(self) -> None:
@@ -76,11 +85,12 @@ class CostModel:
         lower, upper, weight = _points(q)
         point = min(upper if weight > 0.5 else lower, max(self.prior))
         seconds *= _interpolate(self.prior, point) / _interpolate(self.prior, q)
-        old = self.seconds.get(point)
-        self.seconds[point] = seconds if old is None else old + _EMA * (seconds - old)
+        recent = self._recent.setdefault(point, deque(maxlen=COST_WINDOW))
+        recent.append(seconds)
+        self.seconds[point] = statistics.median(recent)
         if 1 in self.seconds:  # measured points where both were seen, else the prior's
-            for measured, average in self.seconds.items():
-                self._relative[measured] = max(average / self.seconds[1], 1.0)
+            for measured, typical in self.seconds.items():
+                self._relative[measured] = max(typical / self.seconds[1], 1.0)
 
     def relative(self, q: int) -> float:
         """cost(q) / cost(1)."""

@@ -51,6 +51,18 @@ def test_measured_costs_replace_the_prior() -> None:
     assert len(choose_draft(chain([0.4, 0.2]), cost, Calibration())) == 3
 
 
+def test_one_stalled_forward_does_not_reprice_a_width() -> None:
+    cost = CostModel(CPU_PRIOR)
+    for _ in range(5):
+        cost.observe(1, 0.10)
+        cost.observe(8, 0.20)
+    cost.observe(8, 2.0)  # the OS took the cores for most of this step
+    assert abs(cost.relative(8) - 2.0) < 1e-9
+    for _ in range(5):  # a lasting change is followed within half the window
+        cost.observe(8, 0.30)
+    assert abs(cost.relative(8) - 3.0) < 1e-9
+
+
 def test_a_width_between_two_points_is_charged_for_itself() -> None:
     cost = CostModel({1: 1.0, 2: 1.02, 4: 1.17, 8: 1.46, 16: 2.08, 32: 3.23, 64: 5.44, 128: 10.0})
     for _ in range(3):
