@@ -21,7 +21,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from lookahead.decoder import LookaheadDecoder
-from lookahead.models import LoadedModel, check_tree_attention, load_model
+from lookahead.models import LoadedModel, check_tree_attention, freeze_loaded_objects, load_model
 from lookahead.persistence import load_trie
 from lookahead.warmup import warm_up
 
@@ -131,6 +131,7 @@ class TritonPythonModel:
             snapshots=snapshots,
             on_trie_size=self.metrics.trie_size if self.metrics else None,
         )
+        freeze_loaded_objects()
         self.responses.start()
         self.engine.start()
         self.logger.log_info(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import fcntl
+import gc
 import hashlib
 import importlib.util
 import os
@@ -180,6 +181,18 @@ def load_model(
         eos_token_ids=eos_token_ids(model, tokenizer),
         linear_kernel=kernel,
     )
+
+
+def freeze_loaded_objects() -> None:
+    """Collect what loading left behind, then exempt every surviving object from future collections.
+
+    torch, transformers and a tokenizer leave ~375,000 objects that live as long as the process.
+    Each full collection of the cyclic garbage collector walks them all (170 ms on the 2-core
+    CPU), and it runs whenever allocations cross its threshold: in the middle of some request's
+    step. Call once, after loading, in a process that serves the model.
+    """
+    gc.collect()
+    gc.freeze()
 
 
 def _parse_dtype(dtype: str) -> torch.dtype:

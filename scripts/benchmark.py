@@ -31,7 +31,14 @@ import torch
 
 from lookahead.config import LookaheadConfig, SamplingParams
 from lookahead.decoder import LookaheadDecoder
-from lookahead.models import DEFAULT_MODEL, DTYPES, LoadedModel, apply_chat_template, load_model
+from lookahead.models import (
+    DEFAULT_MODEL,
+    DTYPES,
+    LoadedModel,
+    apply_chat_template,
+    freeze_loaded_objects,
+    load_model,
+)
 from lookahead.packed_linear import LINEAR_KERNELS
 from lookahead.trie import NGramTrie
 from scripts.prompt_sets import PROMPT_SET_NAMES, PromptSet, load_prompt_set
@@ -340,6 +347,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         threads=args.threads,
         linear_kernel=args.linear_kernel,
     )
+    freeze_loaded_objects()  # as the server does
     print(
         f"model {loaded.name} on {args.device} ({args.dtype}, {torch.get_num_threads()} threads, "
         f"{loaded.linear_kernel} linear kernel)",

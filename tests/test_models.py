@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +23,7 @@ from lookahead.models import (
     apply_chat_template,
     check_tree_attention,
     eos_token_ids,
+    freeze_loaded_objects,
     load_model,
     plain_output_layer,
 )
@@ -245,3 +248,22 @@ def test_default_model_answers_a_chat_prompt(default_model) -> None:
 @pytest.mark.slow
 def test_default_model_verifies_trees(default_model) -> None:
     check_tree_attention(default_model.model)
+
+
+def test_freezing_frees_the_garbage_of_loading_and_exempts_the_rest() -> None:
+    class Node:
+        pass
+
+    garbage = Node()
+    garbage.cycle = garbage  # only the cyclic collector can free it
+    freed = weakref.ref(garbage)
+    del garbage
+    kept = Node()
+    try:
+        freeze_loaded_objects()
+        assert freed() is None  # collected first, not kept forever in the frozen generation
+        assert gc.get_freeze_count() > 0
+        assert not any(obj is kept for obj in gc.get_objects())  # no collection walks it any more
+    finally:
+        gc.unfreeze()
+    assert any(obj is kept for obj in gc.get_objects())
