@@ -31,14 +31,27 @@ class _SlotLayer(DynamicLayer):
         return self.pool.past_length
 
 
+class StepCache(Cache):
+    """The pool as one forward's cache. transformers' layers call update() layer by layer; the
+    lean layers (lean_layers.py) write and read the pool's buffers themselves."""
+
+    def __init__(self, pool: KVPool):
+        super().__init__(layers=[_SlotLayer(pool, i) for i in range(len(pool.keys))])
+        self.pool = pool
+
+
 class KVPool:
     def __init__(self) -> None:
         self.keys: list[torch.Tensor] = []  # per layer [slots, kv_heads, capacity, head_dim]
         self.values: list[torch.Tensor] = []
         self.owners: list[object | None] = []
         self.past_length = 0
-        self._write: tuple[torch.Tensor | int, torch.Tensor | slice] | None = None  # (slots, positions)
-        self._read_length = 0
+        # Where the current step writes: from write_start in slot 0 (one request), else at
+        # [write_slots, :, write_positions] (both [k, q]); attention reads up to read_length.
+        self.write_start = 0
+        self.write_slots: torch.Tensor | None = None
+        self.write_positions: torch.Tensor | None = None
+        self.read_length = 0
 
     @property
     def capacity(self) -> int:
@@ -90,30 +103,30 @@ class KVPool:
         if length > self.capacity:
             self._resize(slots=len(self.owners), capacity=_pow2(length))
 
-    def step_cache(self, lengths: list[int], q: int) -> Cache:
+    def step_cache(self, lengths: list[int], q: int) -> StepCache:
         """A cache for one forward of q tokens per slot 0..k-1, slot i writing at lengths[i]."""
         if len(lengths) == 1:  # one request: a slice copy, a third of an index_put's overhead
-            self._write = (0, slice(lengths[0], lengths[0] + q))
+            self.write_start, self.write_slots, self.write_positions = lengths[0], None, None
         else:
             device = self.keys[0].device
             starts = torch.tensor(lengths, device=device)
-            batch = torch.arange(len(lengths), device=device)[:, None].expand(-1, q)
-            self._write = (batch, starts[:, None] + torch.arange(q, device=device))
-        self._read_length = max(lengths) + q
+            self.write_slots = torch.arange(len(lengths), device=device)[:, None].expand(-1, q)
+            self.write_positions = starts[:, None] + torch.arange(q, device=device)
+        self.read_length = max(lengths) + q
         self.past_length = max(lengths)
-        self.reserve(self._read_length)
-        return Cache(layers=[_SlotLayer(self, i) for i in range(len(self.keys))])
+        self.reserve(self.read_length)
+        return StepCache(self)
 
     def write_and_read(self, layer: int, keys: torch.Tensor, values: torch.Tensor):
-        batch, positions = self._write
         k = keys.shape[0]
-        if isinstance(positions, slice):
-            self.keys[layer][0, :, positions] = keys[0]
-            self.values[layer][0, :, positions] = values[0]
+        if self.write_slots is None:
+            written = slice(self.write_start, self.write_start + keys.shape[2])
+            self.keys[layer][0, :, written] = keys[0]
+            self.values[layer][0, :, written] = values[0]
         else:
-            self.keys[layer][batch, :, positions] = keys.transpose(1, 2)
-            self.values[layer][batch, :, positions] = values.transpose(1, 2)
-        return self.keys[layer][:k, :, : self._read_length], self.values[layer][:k, :, : self._read_length]
+            self.keys[layer][self.write_slots, :, self.write_positions] = keys.transpose(1, 2)
+            self.values[layer][self.write_slots, :, self.write_positions] = values.transpose(1, 2)
+        return self.keys[layer][:k, :, : self.read_length], self.values[layer][:k, :, : self.read_length]
 
     def compact(self, moves: list[tuple[int, int, int]]) -> None:
         """Copy entries (slot, source position, target position), all sources read before any write."""

@@ -9,6 +9,9 @@ import torch
 from transformers import DynamicCache
 
 from lookahead import lean_layers
+from lookahead.decoder import LookaheadDecoder
+from lookahead.draft import Draft
+from lookahead.kv_pool import KVPool
 from lookahead.packed_linear import cpu_has_avx512, pack_linear_layers
 from tests.conftest import build_tiny_model
 from tests.test_attention import tree_logits
@@ -54,8 +57,8 @@ def test_a_lean_forward_that_changes_any_bit_is_refused(monkeypatch: pytest.Monk
     model = build_tiny_model("llama")  # stock linear layers: pack them here, with a skewed lean forward
     original = lean_layers._lean_forward
 
-    def skewed(layer: Any) -> Any:
-        forward = original(layer)
+    def skewed(lean: Any, index: int) -> Any:
+        forward = original(lean, index)
         return lambda *args, **kwargs: forward(*args, **kwargs) * (1 + 1e-6)
 
     monkeypatch.setattr(lean_layers, "_lean_forward", skewed)
@@ -77,3 +80,27 @@ def test_a_llama_gets_a_lean_model_forward_that_hands_other_calls_to_transformer
         with_hidden = model(input_ids=ids, output_hidden_states=True)  # not a lean call: stock forward
     assert with_hidden.hidden_states is not None and len(with_hidden.hidden_states) == 3
     assert torch.equal(plain.logits, with_hidden.logits)
+
+
+def test_a_step_on_the_kv_pool_runs_every_layer_in_one_call_with_the_same_bits(
+    monkeypatch: pytest.MonkeyPatch, tiny_model: Any, byte_tokenizer: Any
+) -> None:
+    decoder = LookaheadDecoder(tiny_model("llama", linear_kernel="packed"), byte_tokenizer)
+    gen = decoder.start([5, 6, 7, 8, 9])
+    decoder.step([gen])  # the prefill puts the prompt in the pool
+    draft = Draft([gen.ids[-1], 1, 2, 3], [-1, 0, 1, 1])
+    layer_calls: list[int] = []
+    write_and_read = KVPool.write_and_read
+
+    def counted(pool: KVPool, layer: int, *args: Any) -> Any:
+        layer_calls.append(layer)
+        return write_and_read(pool, layer, *args)
+
+    monkeypatch.setattr(KVPool, "write_and_read", counted)
+    with torch.inference_mode():
+        (stacked,) = decoder.forward_drafts([draft], [len(gen.ids) - 1])
+        assert layer_calls == []  # the pool was written from C++
+        monkeypatch.setattr(lean_layers, "StepCache", type("NotAStepCache", (), {}))
+        (layered,) = decoder.forward_drafts([draft], [len(gen.ids) - 1])
+    assert layer_calls == list(range(decoder.model.config.num_hidden_layers))
+    assert torch.equal(stacked, layered)

@@ -45,4 +45,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
            }))
       .def("before_attention", &LeanLayer::before_attention, ReleaseGil())
       .def("after_attention", &LeanLayer::after_attention, ReleaseGil());
+  pybind11::class_<LeanStack>(module, "LeanStack")
+      .def(pybind11::init([](std::vector<LeanLayer> layers) { return LeanStack{std::move(layers)}; }))
+      .def("__call__", &LeanStack::forward, ReleaseGil());
 }

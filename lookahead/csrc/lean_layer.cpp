@@ -38,3 +38,29 @@ torch::Tensor LeanLayer::after_attention(const torch::Tensor& hidden, const torc
   const auto activated = torch::silu(gate) * up;
   return residual + down(activated).view({batch, length, width});
 }
+
+torch::Tensor LeanStack::forward(torch::Tensor hidden, const torch::Tensor& cos, const torch::Tensor& sin,
+                                 const torch::Tensor& mask, const std::vector<torch::Tensor>& keys,
+                                 const std::vector<torch::Tensor>& values, int64_t start,
+                                 const std::optional<torch::Tensor>& slots,
+                                 const std::optional<torch::Tensor>& positions, int64_t read_length) const {
+  TORCH_CHECK(keys.size() == layers.size() && values.size() == layers.size(), "one pool buffer per layer");
+  TORCH_CHECK(slots.has_value() == positions.has_value(), "slots and positions come together");
+  const int64_t batch = hidden.size(0), length = hidden.size(1);
+  TORCH_CHECK(slots || batch == 1, "a batch needs slots and positions");
+  for (size_t i = 0; i < layers.size(); ++i) {
+    auto [queries, new_keys, new_values] = layers[i].before_attention(hidden, cos, sin);
+    if (slots) {
+      torch::Tensor key_buffer = keys[i], value_buffer = values[i];  // handles on the same storage
+      key_buffer.index_put_({*slots, Slice(), *positions}, new_keys.transpose(1, 2));
+      value_buffer.index_put_({*slots, Slice(), *positions}, new_values.transpose(1, 2));
+    } else {
+      keys[i].select(0, 0).narrow(1, start, length).copy_(new_keys[0]);
+      values[i].select(0, 0).narrow(1, start, length).copy_(new_values[0]);
+    }
+    const auto read_keys = keys[i].narrow(0, 0, batch).narrow(2, 0, read_length);
+    const auto read_values = values[i].narrow(0, 0, batch).narrow(2, 0, read_length);
+    hidden = layers[i].after_attention(hidden, queries, read_keys, read_values, mask, /*causal=*/false);
+  }
+  return hidden;
+}

@@ -3,11 +3,13 @@
 // The layer issues the same ATen operations, in the same order, as transformers' layer, so its
 // results are the same bits; what it saves is the Python around ~35 small operations a layer,
 // which costs more than their arithmetic when a step feeds a few tokens. The KV cache update
-// between the two halves stays in Python (transformers' caches or the decoder's KV pool).
+// between the two halves stays in Python for transformers' caches; for the decoder's KV pool,
+// LeanStack runs the whole layer loop, cache writes included, here.
 #pragma once
 
 #include <optional>
 #include <tuple>
+#include <vector>
 
 #include "packed_linear.h"
 
@@ -37,4 +39,22 @@ struct LeanLayer {
   torch::Tensor after_attention(const torch::Tensor& hidden, const torch::Tensor& queries, const torch::Tensor& keys,
                                 const torch::Tensor& values, const std::optional<torch::Tensor>& mask,
                                 bool causal) const;
+};
+
+// Every decoder layer of a model, for a forward whose KV cache is the decoder's pool
+// (lookahead/kv_pool.py): the loop and the cache writes and reads run here, not through Python's
+// per-layer cache.update (~15 us a layer). Same operations as the layers and the pool in
+// Python, so the same bits.
+struct LeanStack {
+  std::vector<LeanLayer> layers;
+
+  // keys[i], values[i]: layer i's pool buffers [slots, kv_heads, capacity, head_dim]. The B rows
+  // of `hidden` are slots 0..B-1; their new entries go to positions [start, start + L) of slot 0
+  // when `slots` is undefined (one request), else to [slots, :, positions] (both [B, L]).
+  // Attention reads slots 0..B-1 up to read_length, under `mask`.
+  torch::Tensor forward(torch::Tensor hidden, const torch::Tensor& cos, const torch::Tensor& sin,
+                        const torch::Tensor& mask, const std::vector<torch::Tensor>& keys,
+                        const std::vector<torch::Tensor>& values, int64_t start,
+                        const std::optional<torch::Tensor>& slots, const std::optional<torch::Tensor>& positions,
+                        int64_t read_length) const;
 };
