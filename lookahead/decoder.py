@@ -108,6 +108,7 @@ class LookaheadDecoder:
         # A request's own trie is as deep as the shared one; copies (spans.py) may draft deeper.
         self.trie_depth = trie.max_depth if trie is not None else DEFAULT_MAX_DEPTH
         self.device = next(model.parameters()).device
+        self.dtype = model.dtype  # a property that walks every parameter: read once
         self.pool = KVPool()
         self.prefix_cache = PrefixCache(prefix_cache_tokens)
         self.cost = CostModel.for_device(self.device.type, linear_kernel_of(model))
@@ -215,7 +216,7 @@ class LookaheadDecoder:
             visible[i, :n, length : length + n] = draft.ancestor_mask()
             padding = torch.arange(n, width)
             visible[i, padding, length + padding] = True  # padding rows see only themselves
-        mask = additive_mask(visible, self.model.dtype)
+        mask = additive_mask(visible, self.dtype)
         inputs = {
             "input_ids": ids.to(self.device),
             "position_ids": positions.to(self.device),
@@ -320,7 +321,7 @@ class Generation:
         cached, cache = decoder.prefix_cache.lookup(self.ids)
         inputs: dict[str, Any] = {"cache": cache, "use_cache": True, "logits_to_keep": len(draft)}
         if len(draft) > 1:
-            positions, mask = _prefill_layout(draft, root, cached, decoder.model.dtype)
+            positions, mask = _prefill_layout(draft, root, cached, decoder.dtype)
             inputs["position_ids"] = positions[None].to(decoder.device)
             inputs["attention_mask"] = mask[None, None].to(decoder.device)
         ids = torch.tensor([self.ids[cached:root] + draft.tokens], device=decoder.device)

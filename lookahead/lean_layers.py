@@ -150,13 +150,16 @@ def _lean_causal_lm_forward(model: nn.Module, layers: list[nn.Module], stack: An
         if position_ids is None:
             past = cache.get_seq_length() if cache is not None else 0
             position_ids = (torch.arange(hidden_states.shape[1], device=hidden_states.device) + past)[None]
-        mask = create_causal_mask(
-            config=config,
-            inputs_embeds=hidden_states,
-            attention_mask=attention_mask,
-            cache=cache,
-            position_ids=position_ids,
-        )
+        if attention_mask is not None and attention_mask.dim() == 4:
+            mask = attention_mask  # what create_causal_mask returns for a prepared mask, ~0.1 ms sooner
+        else:
+            mask = create_causal_mask(
+                config=config,
+                inputs_embeds=hidden_states,
+                attention_mask=attention_mask,
+                cache=cache,
+                position_ids=position_ids,
+            )
         embeddings = inner.rotary_emb(hidden_states, position_ids=position_ids)
         if isinstance(cache, StepCache) and mask is not None:
             pool = cache.pool
