@@ -152,7 +152,10 @@ class LookaheadDecoder:
         """Advance every generation by one step: prefill the new ones, decode the rest together."""
         if any(gen.finished for gen in generations):
             raise RuntimeError("step() called on a finished or closed generation")
-        outputs = {id(gen): gen._prefill() for gen in generations if not gen.in_pool}
+        # A prefill's draft pays only when the steps it saves are the request's own: in a batch
+        # above max_speculative_batch every step runs for the others anyway.
+        drafting = len(generations) <= self.max_speculative_batch
+        outputs = {id(gen): gen._prefill(drafting) for gen in generations if not gen.in_pool}
         running = [gen for gen in generations if id(gen) not in outputs]
         if running:
             running = self.pool.arrange(running, max(len(gen.ids) - 1 for gen in running))
@@ -300,9 +303,9 @@ class Generation:
         if self.finish_reason is None:
             self.finish_reason = "cancelled"
 
-    def _prefill(self) -> StepOutput:
-        """Feed the prompt, less any prefix the prefix cache holds, and in the same forward a
-        draft of what follows it.
+    def _prefill(self, drafting: bool) -> StepOutput:
+        """Feed the prompt, less any prefix the prefix cache holds, and in the same forward (when
+        `drafting`) a draft of what follows it.
 
         Tokens accepted here need no decoding step. A draft token adds about as much to a
         prefill (~1 ms on the default CPU model) as to a small decoding step, so the draft is
@@ -312,7 +315,7 @@ class Generation:
         decoder = self.decoder
         root = self.prompt_len - 1  # the prompt's last token is the draft's root
         (draft,) = plan_step(
-            [self._retrieve(decoder.step_token_budget)],
+            [self._retrieve(decoder.step_token_budget) if drafting else Draft.root_only(self.ids[-1])],
             [self.calibration],
             [self.config.adaptive],
             decoder.cost,
