@@ -314,13 +314,15 @@ class Generation:
         started = time.perf_counter()
         decoder = self.decoder
         root = self.prompt_len - 1  # the prompt's last token is the draft's root
-        (draft,) = plan_step(
-            [self._retrieve(decoder.step_token_budget) if drafting else Draft.root_only(self.ids[-1])],
-            [self.calibration],
-            [self.config.adaptive],
-            decoder.cost,
-            decoder.step_token_budget,
-        )
+        draft = Draft.root_only(self.ids[-1])
+        if drafting:
+            (draft,) = plan_step(
+                [self._retrieve(decoder.step_token_budget)],
+                [self.calibration],
+                [self.config.adaptive],
+                decoder.cost,
+                decoder.step_token_budget,
+            )
         cached, cache = decoder.prefix_cache.lookup(self.ids)
         inputs: dict[str, Any] = {"cache": cache, "use_cache": True, "logits_to_keep": len(draft)}
         if len(draft) > 1:
