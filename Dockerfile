@@ -27,7 +27,7 @@ COPY model_repository ./model_repository
 # and the server falls back to stock layers, where the build machine cannot run it).
 RUN (command -v g++ >/dev/null || (apt-get update && apt-get install -y --no-install-recommends g++ \
       && rm -rf /var/lib/apt/lists/*)) \
- && python3 -m lookahead.models --prepare
+ && python3 -m lookahead prepare
 
 EXPOSE 8000 8001 8002
 CMD ["tritonserver", "--model-repository=/opt/lookahead/model_repository"]

@@ -11,15 +11,14 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
-from lookahead.config import LookaheadConfig
-from lookahead.decoder import MAX_SPECULATIVE_BATCH, PREFIX_CACHE_TOKENS
-from lookahead.models import DEFAULT_MODEL, DTYPES
-from lookahead.packed_linear import LINEAR_KERNELS
-from lookahead.trie import DEFAULT_MAX_DEPTH, MAX_DEPTH_LIMIT
+from lookahead.algorithm.trie import MAX_DEPTH_LIMIT
+from lookahead.config import LINEAR_KERNELS, DecoderConfig, LookaheadConfig, TrieConfig
+from lookahead.models.embedded import DEFAULT_MODEL
+from lookahead.models.loading import DTYPES
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 # Folder holding each model's default trie_state_dir (<folder>/<model>); default <repo>/.state.
@@ -32,28 +31,26 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class BackendConfig:
-    """Everything one model instance needs to load its model and serve requests.
+    """Everything one model instance needs to load its model and serve requests. Each field's
+    default is its config.pbtxt parameter's default (`PARAMETERS` maps the names).
 
     `lookahead` holds the instance defaults, which are also the maxima a request may ask for.
     """
 
-    model: str
-    dtype: str
-    device: str
-    threads: int
-    linear_kernel: str
-    lookahead: LookaheadConfig
-    step_token_budget: int
-    max_speculative_batch: int
-    prefix_cache_tokens: int
-    trie_capacity: int
-    trie_depth: int
-    trie_state_dir: Path
-    snapshot_interval_s: float
-    warmup_corpus: Path | None
-    max_prompt_tokens: int
-    max_output_tokens: int
-    report_custom_metrics: bool
+    model: str = DEFAULT_MODEL
+    dtype: str = "float32"
+    device: str = ""  # "": cpu, or cuda:<device id> for a KIND_GPU instance
+    threads: int = 0  # torch CPU threads; 0: torch's default
+    linear_kernel: str = "auto"
+    lookahead: LookaheadConfig = field(default_factory=LookaheadConfig)
+    decoder: DecoderConfig = field(default_factory=DecoderConfig)
+    trie: TrieConfig = field(default_factory=TrieConfig)
+    trie_state_dir: Path | None = None  # None: $LOOKAHEAD_STATE_DIR (else <project>/.state) / <model name>
+    snapshot_interval_s: float = 60.0
+    warmup_corpus: Path | None = None
+    max_prompt_tokens: int = 4096
+    max_output_tokens: int = 1024
+    report_custom_metrics: bool = True
     ignored_parameters: tuple[str, ...] = ()  # set but read by nothing: most likely typos
 
     @classmethod
@@ -87,80 +84,64 @@ def parse_parameters(
     Relative paths are resolved against the model repository (the folder holding the model's
     directory), so a repository can be moved or copied together with its state and corpora.
     """
-    read = _Reader(parameters)
     repository = model_dir.resolve().parent
+    values: dict[tuple[str, ...], Any] = {}
+    for name, (where, parser) in PARAMETERS.items():
+        raw = parameters.get(name, "").strip()
+        if not raw or (raw.startswith("${") and raw.endswith("}")):
+            continue  # "" and an unfilled template placeholder mean the default
+        try:
+            values[where] = parser(raw)
+        except ValueError as error:
+            raise ValueError(f"config.pbtxt parameter {name!r}: {error}") from None
+    config = BackendConfig()
+    sections = {}
+    for section in ("lookahead", "decoder", "trie"):
+        overrides = {where[1]: value for where, value in values.items() if where[0] == section}
+        try:
+            sections[section] = replace(getattr(config, section), **overrides)
+        except ValueError as error:
+            raise ValueError(f"config.pbtxt parameter {_parameter_of(section, error)!r}: {error}") from None
+    trie = sections["trie"]
+    query = sections["lookahead"].max_query_length
+    if not query < trie.depth <= MAX_DEPTH_LIMIT:
+        raise ValueError(
+            f"config.pbtxt parameter 'trie_depth': must be > max_query_length ({query}) "
+            f"and <= {MAX_DEPTH_LIMIT}, got {trie.depth}"
+        )
+    if trie.capacity < trie.depth:
+        raise ValueError(
+            f"config.pbtxt parameter 'trie_capacity': must be >= trie_depth ({trie.depth}) to hold one "
+            f"n-gram, got {trie.capacity}"
+        )
+    top = {where[0]: value for where, value in values.items() if len(where) == 1}
+    config = replace(config, **sections, **top)
     state_root = Path(os.environ.get(STATE_DIR_ENV) or PROJECT_ROOT / ".state")
-    state_dir = read("trie_state_dir", _path(repository), state_root / model_name)
-    lookahead_fields = {
-        name: read(name, parser, getattr(LookaheadConfig, name))
-        for name, parser in (
-            ("use_lookahead", _bool),
-            ("decoding_length", _int(minimum=1)),
-            ("branch_length", _int(minimum=0)),
-            ("decoding_mode", str),
-            ("max_query_length", _int(minimum=1)),
-            ("adaptive", _bool),
-        )
-    }
-    try:
-        lookahead = LookaheadConfig(**lookahead_fields)
-    except ValueError as error:
-        raise ValueError(f"config.pbtxt parameter {_field_in(error, lookahead_fields)!r}: {error}") from None
-    trie_depth = read("trie_depth", _int(minimum=2), DEFAULT_MAX_DEPTH)
-    if not lookahead.max_query_length < trie_depth <= MAX_DEPTH_LIMIT:
-        raise ValueError(
-            f"config.pbtxt parameter 'trie_depth': must be > max_query_length ({lookahead.max_query_length}) "
-            f"and <= {MAX_DEPTH_LIMIT}, got {trie_depth}"
-        )
-    trie_capacity = read("trie_capacity", _int(minimum=1), 1_000_000)
-    if trie_capacity < trie_depth:
-        raise ValueError(
-            f"config.pbtxt parameter 'trie_capacity': must be >= trie_depth ({trie_depth}) to hold one "
-            f"n-gram, got {trie_capacity}"
-        )
-    return BackendConfig(
-        model=read("model", str, DEFAULT_MODEL),
-        dtype=read("dtype", _choice(tuple(DTYPES)), "float32"),
-        device=read("device", _device, f"cuda:{instance_device_id}" if instance_kind == "GPU" else "cpu"),
-        threads=read("threads", _int(minimum=0), 0),  # 0: torch's default
-        linear_kernel=read("linear_kernel", _choice(LINEAR_KERNELS), "auto"),
-        lookahead=lookahead,
-        step_token_budget=read("step_token_budget", _int(minimum=1), 128),
-        max_speculative_batch=read("max_speculative_batch", _int(minimum=0), MAX_SPECULATIVE_BATCH),
-        prefix_cache_tokens=read("prefix_cache_tokens", _int(minimum=0), PREFIX_CACHE_TOKENS),
-        trie_capacity=trie_capacity,
-        trie_depth=trie_depth,
-        trie_state_dir=state_dir,
-        snapshot_interval_s=read("snapshot_interval_s", _float(minimum=0.0), 60.0),
-        warmup_corpus=read("warmup_corpus", _path(repository), None),
-        max_prompt_tokens=read("max_prompt_tokens", _int(minimum=1), 4096),
-        max_output_tokens=read("max_output_tokens", _int(minimum=1), 1024),
-        report_custom_metrics=read("REPORT_CUSTOM_METRICS", _bool, False),
-        ignored_parameters=tuple(sorted(set(parameters) - read.names - _TRITON_RESERVED)),
+    return replace(
+        config,
+        device=config.device or (f"cuda:{instance_device_id}" if instance_kind == "GPU" else "cpu"),
+        trie_state_dir=(repository / config.trie_state_dir).resolve()
+        if config.trie_state_dir
+        else state_root / model_name,
+        warmup_corpus=(repository / config.warmup_corpus).resolve() if config.warmup_corpus else None,
+        ignored_parameters=tuple(sorted(set(parameters) - set(PARAMETERS) - _TRITON_RESERVED)),
     )
 
 
-class _Reader:
-    """Reads one parameter with a parser, falling back to a default when it is unset."""
-
-    def __init__(self, parameters: Mapping[str, str]):
-        self.parameters = parameters
-        self.names: set[str] = set()
-
-    def __call__(self, name: str, parser: Callable[[str], T], default: T) -> T:
-        self.names.add(name)
-        raw = self.parameters.get(name, "").strip()
-        if not raw or (raw.startswith("${") and raw.endswith("}")):
-            return default
-        try:
-            return parser(raw)
-        except ValueError as error:
-            raise ValueError(f"config.pbtxt parameter {name!r}: {error}") from None
+def default_value(name: str) -> Any:
+    """The default of the config.pbtxt parameter `name`, read off BackendConfig's fields."""
+    value: Any = BackendConfig()
+    for part in PARAMETERS[name][0]:
+        value = getattr(value, part)
+    return value
 
 
-def _field_in(error: ValueError, names: Mapping[str, Any]) -> str:
-    """The field a LookaheadConfig validation message starts with."""
-    return next((name for name in names if str(error).startswith(name)), "lookahead")
+def _parameter_of(section: str, error: ValueError) -> str:
+    """The parameter a section's validation message names (messages start with the field name)."""
+    for name, (where, _) in PARAMETERS.items():
+        if where[0] == section and str(error).startswith(where[1]):
+            return name
+    return section
 
 
 def _bool(raw: str) -> bool:
@@ -214,8 +195,32 @@ def _device(raw: str) -> str:
     return raw
 
 
-def _path(base: Path) -> Callable[[str], Path]:
-    def parse(raw: str) -> Path:
-        return (base / Path(raw).expanduser()).resolve()
+def _path(raw: str) -> Path:
+    return Path(raw).expanduser()
 
-    return parse
+
+# config.pbtxt parameter -> (where its value lives in BackendConfig, parser of its string)
+PARAMETERS: dict[str, tuple[tuple[str, ...], Callable[..., Any]]] = {
+    "model": (("model",), str),
+    "dtype": (("dtype",), _choice(tuple(DTYPES))),
+    "device": (("device",), _device),
+    "threads": (("threads",), _int(minimum=0)),
+    "linear_kernel": (("linear_kernel",), _choice(LINEAR_KERNELS)),
+    "use_lookahead": (("lookahead", "use_lookahead"), _bool),
+    "decoding_length": (("lookahead", "decoding_length"), _int(minimum=1)),
+    "branch_length": (("lookahead", "branch_length"), _int(minimum=0)),
+    "decoding_mode": (("lookahead", "decoding_mode"), str),
+    "max_query_length": (("lookahead", "max_query_length"), _int(minimum=1)),
+    "adaptive": (("lookahead", "adaptive"), _bool),
+    "step_token_budget": (("decoder", "step_token_budget"), _int(minimum=1)),
+    "max_speculative_batch": (("decoder", "max_speculative_batch"), _int(minimum=0)),
+    "prefix_cache_tokens": (("decoder", "prefix_cache_tokens"), _int(minimum=0)),
+    "trie_capacity": (("trie", "capacity"), _int(minimum=1)),
+    "trie_depth": (("trie", "depth"), _int(minimum=2)),
+    "trie_state_dir": (("trie_state_dir",), _path),
+    "snapshot_interval_s": (("snapshot_interval_s",), _float(minimum=0.0)),
+    "warmup_corpus": (("warmup_corpus",), _path),
+    "max_prompt_tokens": (("max_prompt_tokens",), _int(minimum=1)),
+    "max_output_tokens": (("max_output_tokens",), _int(minimum=1)),
+    "REPORT_CUSTOM_METRICS": (("report_custom_metrics",), _bool),
+}

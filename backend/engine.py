@@ -20,9 +20,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from lookahead.decoder import Generation, GenerationStats, LookaheadDecoder, StepOutput
-from lookahead.persistence import save_trie
-from lookahead.trie import NGramTrie
+from lookahead.algorithm.trie import NGramTrie
+from lookahead.runtime.decoder import LookaheadDecoder
+from lookahead.runtime.generation import Generation, GenerationStats, StepOutput
+from lookahead.state.persistence import save_trie
 
 from .request import GenerationRequest
 

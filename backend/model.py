@@ -20,10 +20,11 @@ from typing import Any
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from lookahead.decoder import LookaheadDecoder
-from lookahead.models import LoadedModel, check_tree_attention, freeze_loaded_objects, load_model
-from lookahead.persistence import load_trie
-from lookahead.warmup import warm_up
+from lookahead.models.checks import check_tree_attention
+from lookahead.models.loading import LoadedModel, freeze_loaded_objects, load_model
+from lookahead.runtime.decoder import LookaheadDecoder
+from lookahead.state.persistence import load_trie
+from lookahead.state.warmup import warm_up
 
 from .config import BackendConfig
 from .engine import Engine, FailureCode, RequestState, TrieSnapshots, Update
@@ -33,7 +34,7 @@ from .responses import ResponseLoop
 
 ENGINE_STOPPED = "the engine thread has stopped (see the server log); reload the model"
 
-# The vLLM backend's tensor contract (TRITON.md section 2) plus TensorRT-LLM's speculative stats.
+# The vLLM backend's tensor contract plus TensorRT-LLM's speculative stats.
 INPUTS = [
     {"name": "text_input", "data_type": "TYPE_STRING", "dims": [1]},
     {"name": "stream", "data_type": "TYPE_BOOL", "dims": [1], "optional": True},
@@ -110,7 +111,7 @@ class TritonPythonModel:
         # A short-lived thread does the torch work of loading. libgomp gives every thread that
         # starts parallel work its own team of workers, and once a process has more workers than
         # CPUs their waits stop spinning: a team left behind by this (main) thread would make each
-        # forward of the engine thread wake sleeping workers (2 cores: 24.5 -> 36 tokens/s plain).
+        # forward of the engine thread wake sleeping workers (on 2 cores, a third slower).
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="lookahead-load") as loader:
             loading = loader.submit(self._load, config, args["model_instance_name"])
             loaded, snapshots, decoder = loading.result()
@@ -136,7 +137,7 @@ class TritonPythonModel:
         self.engine.start()
         self.logger.log_info(
             f"{args['model_instance_name']}: serving {loaded.name} on {config.device} "
-            f"({config.dtype}, {loaded.linear_kernel} linear kernel), "
+            f"({config.dtype}, {loaded.execution}), "
             f"{config.lookahead}, trie {snapshots.trie.node_count if snapshots else 0} nodes"
         )
 
@@ -186,15 +187,8 @@ class TritonPythonModel:
         if config.lookahead.use_lookahead:
             check_tree_attention(loaded.model)  # refuse a model whose tree verification is not lossless
             snapshots = self._open_trie(config, instance_name, loaded)
-        decoder = LookaheadDecoder(
-            loaded.model,
-            loaded.tokenizer,
-            snapshots.trie if snapshots else None,
-            config.lookahead,
-            loaded.eos_token_ids,
-            step_token_budget=config.step_token_budget,
-            max_speculative_batch=config.max_speculative_batch,
-            prefix_cache_tokens=config.prefix_cache_tokens,
+        decoder = LookaheadDecoder.for_model(
+            loaded, snapshots.trie if snapshots else None, config.lookahead, config.decoder
         )
         return loaded, snapshots, decoder
 
@@ -206,7 +200,7 @@ class TritonPythonModel:
         """This instance's global trie: its last snapshot, else the warm-up corpus, else empty."""
         path = config.trie_state_dir / f"{re.sub(r'[^A-Za-z0-9_.-]', '_', instance_name)}.trie"
         trie = load_trie(
-            path, capacity=config.trie_capacity, max_depth=config.trie_depth, fingerprint=loaded.fingerprint
+            path, capacity=config.trie.capacity, max_depth=config.trie.depth, fingerprint=loaded.fingerprint
         )
         snapshots = TrieSnapshots(trie, path, loaded.fingerprint, config.snapshot_interval_s, self.logger)
         if trie.node_count == 0 and config.warmup_corpus is not None:

@@ -2,7 +2,7 @@
 
 This module never imports Triton: the backend wraps a `pb_utils.InferenceRequest` in a tiny
 adapter with the `RequestInputs` shape, tests pass plain numpy arrays and dicts. The tensor
-contract is vLLM's (TRITON.md section 2), so vLLM clients, genai-perf and the OpenAI frontend
+contract is vLLM's backend's, so vLLM clients, genai-perf and the OpenAI frontend
 work unchanged; lookahead settings ride along inside `sampling_parameters`.
 """
 

@@ -1,7 +1,9 @@
-"""Per-request generation settings: what to sample and how to speculate.
+"""Every setting of the library and its default, defined once.
 
-Both dataclasses validate themselves so that a bad value fails with a message that names
-the field, whether it came from Python, a config.pbtxt parameter or a request's JSON.
+`SamplingParams` (what to generate) and `LookaheadConfig` (how to speculate) are per request;
+`DecoderConfig` (what a decoder's requests share) and `TrieConfig` (the instance's trie) are per
+model instance. Each validates itself, so a bad value fails with a message that names the field,
+whether it came from Python, a config.pbtxt parameter or a request's JSON.
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 DECODING_MODES = ("hier", "par", "one")
+# "packed": the fast CPU path (lookahead/cpu); "stock": transformers' layers; "auto": packed where it runs.
+LINEAR_KERNELS = ("auto", "packed", "stock")
 
 
 def _require(condition: bool, message: str) -> None:
@@ -99,3 +103,38 @@ class SamplingParams:
 def field_names(cls: type) -> tuple[str, ...]:
     """The settable field names of one of the dataclasses above."""
     return tuple(f.name for f in fields(cls))
+
+
+@dataclass(frozen=True)
+class DecoderConfig:
+    """What the requests of one decoder share.
+
+    step_token_budget: most tokens fed per batched forward (roots included); drafts shrink as
+    the batch grows. max_speculative_batch: above this many running requests, decode plainly
+    (on a 2-core CPU a plain step of 8 rows already costs 1.6x one row; a GPU affords more).
+    prefix_cache_tokens: prompt tokens whose KV is kept for later prompts that share a prefix
+    (runtime/prefix_cache.py); 0 turns the cache off.
+    """
+
+    step_token_budget: int = 128
+    max_speculative_batch: int = 3
+    prefix_cache_tokens: int = 2048
+
+    def __post_init__(self) -> None:
+        _require(self.step_token_budget >= 1, f"step_token_budget must be >= 1, got {self.step_token_budget}")
+        _require(
+            self.max_speculative_batch >= 0,
+            f"max_speculative_batch must be >= 0, got {self.max_speculative_batch}",
+        )
+        _require(
+            self.prefix_cache_tokens >= 0, f"prefix_cache_tokens must be >= 0, got {self.prefix_cache_tokens}"
+        )
+
+
+@dataclass(frozen=True)
+class TrieConfig:
+    """The instance's n-gram trie: a hard node bound and the longest n-gram it stores (a matched
+    query plus the branch drafted after it)."""
+
+    capacity: int = 1_000_000
+    depth: int = 16

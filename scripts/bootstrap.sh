@@ -7,7 +7,7 @@
 #   on the environment's sys.path: the Triton Python backend stub runs an isolated interpreter
 #   that ignores PYTHONPATH, so the environment itself must know the project.
 # - the default model, converted once into .cache/models, and the packed linear kernel, compiled
-#   once into .cache/kernels (python -m lookahead.models --prepare).
+#   once into .cache/kernels (python -m lookahead prepare).
 # - .venv-perf: perf_analyzer (requirements-perf.txt) and the libb64-0d system package it needs.
 # pip is skipped while a stamp holding the requirements' hash is current, so a second run takes
 # seconds. PYTHON chooses the interpreter for new environments (default python3, >= 3.10).
@@ -73,7 +73,7 @@ _lookahead_bootstrap() (
     project_pth="$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/triton_lookahead.pth"
     [[ "$(cat "$project_pth" 2>/dev/null)" == "$root" ]] || echo "$root" > "$project_pth"
 
-    .venv/bin/python -m lookahead.models --prepare
+    .venv/bin/python -m lookahead prepare
 
     make_venv .venv-perf
     if ! is_current .venv-perf requirements-perf.txt; then

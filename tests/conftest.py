@@ -1,55 +1,44 @@
-"""Shared fixtures: tiny random-weight models of each supported architecture, and the real default model."""
+"""Fixtures every test may use, and the count of integration tests that really ran.
+
+tests/unit/ needs no server; tests/integration/ starts real tritonservers (marked `integration`).
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
-from transformers import CONFIG_MAPPING, AutoModelForCausalLM
 
-from lookahead.attention import use_grouped_sdpa
-from lookahead.models import DEFAULT_MODEL, LoadedModel, load_model
-from lookahead.packed_linear import apply_linear_kernel, cpu_has_avx512
+from lookahead.models.embedded import DEFAULT_MODEL
+from lookahead.models.loading import LoadedModel, load_model
+from tests.helpers import ByteTokenizer, build_tiny_model
 
-TINY_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "gemma")
-
-_TINY_CONFIG = dict(
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=512,
-)
+_INTEGRATION = Path(__file__).parent / "integration"
 
 
-# Both linear kernels, for tests that must hold on each execution path.
-LINEAR_KERNELS = (
-    "stock",
-    pytest.param(
-        "packed",
-        marks=pytest.mark.skipif(not cpu_has_avx512(), reason="the packed kernel needs AVX-512"),
-    ),
-)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if _INTEGRATION in Path(item.fspath).parents:
+            item.add_marker(pytest.mark.integration)
 
 
-def build_tiny_model(
-    architecture: str = "llama", linear_kernel: str = "stock", **config_overrides: Any
-) -> Any:
-    """A float32 model in eval mode whose weights depend only on the architecture and config, set
-    up as load_model sets up a real one."""
-    if architecture not in TINY_ARCHITECTURES:
-        raise ValueError(f"architecture must be one of {', '.join(TINY_ARCHITECTURES)}, got {architecture!r}")
-    config = CONFIG_MAPPING[architecture](**{**_TINY_CONFIG, **config_overrides})
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    use_grouped_sdpa(model)
-    apply_linear_kernel(model, linear_kernel)
-    return model
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """How many integration tests ran, so that a green run that skipped them all shows it."""
+    counts = {}
+    for outcome in ("passed", "failed", "error", "skipped"):
+        reports = terminalreporter.stats.get(outcome, [])
+        counts[outcome] = sum(
+            1
+            for r in reports
+            if getattr(r, "when", "call") in ("call", "setup") and "integration" in r.keywords
+        )
+    ran = counts["passed"] + counts["failed"]
+    terminalreporter.write_line(
+        f"integration tests: {ran} ran ({counts['passed']} passed, {counts['failed']} failed), "
+        f"{counts['error']} errors, {counts['skipped']} skipped"
+    )
 
 
 @pytest.fixture
@@ -62,16 +51,6 @@ def tiny_model() -> Callable[..., Any]:
 def default_model() -> LoadedModel:
     """SmolLM2-135M-Instruct in float32 on the CPU, loaded once per test session."""
     return load_model(DEFAULT_MODEL)
-
-
-class ByteTokenizer:
-    """Token id = one byte (vocab 256), so multi-byte UTF-8 characters span several tokens."""
-
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return bytes(ids).decode("utf-8", errors="replace")
-
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
 
 
 @pytest.fixture

@@ -1,0 +1,167 @@
+"""Is a draft worth its forward? Expected tokens per unit of forward cost.
+
+A forward over q new tokens costs cost(q) relative to a one-token forward. On a GPU cost is
+nearly flat up to tens of tokens; on a small CPU it doubles by q=16 (see STOCK_CPU_PRIOR).
+A draft whose nodes are reached with probabilities p_i yields 1 + sum(p_i) tokens in
+expectation. We keep the top-m nodes by probability (a connected subtree, since probabilities
+never grow along a path) for the m that maximises (1 + c * sum p) / cost(m + 1), where c
+calibrates the draft's probability estimates against what the model actually accepted. m = 0
+is a plain decoding step. Both cost(q) and c are learned online from real steps. A batched step
+applies the same rule to the whole batch (see plan_step).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
+from itertools import accumulate
+
+from .draft import Draft
+
+# Relative forward cost by number of new tokens, where nothing better is known (the fast CPU
+# path brings its own, measured per kernel variant: lookahead/cpu/cost_priors.py). Stock
+# transformers layers, SmolLM2-135M fp32, 2 CPU threads, 256 cached tokens (scripts/bench_forward.py).
+STOCK_CPU_PRIOR = {1: 1.0, 2: 1.06, 4: 1.5, 8: 1.8, 16: 2.1, 32: 2.4, 64: 3.4, 128: 5.5}
+# A GPU streams the weights once whatever the tokens fed: nearly flat up to tens of tokens.
+GPU_PRIOR = {1: 1.0, 2: 1.02, 4: 1.03, 8: 1.05, 16: 1.08, 32: 1.15, 64: 1.3, 128: 1.7}
+_EMA = 0.1
+# Forward times a cost point is estimated from: their median, since one stalled step (the OS
+# running something else, a page fault) can take ten times a normal one, and an average would
+# price a width out for tens of steps after it.
+COST_WINDOW = 9
+# Lowest calibration ratio. Calibration only learns from drafts that are fed, and a ratio too
+# low for any draft to pay (on a CPU a one-token draft adds ~6% to a forward) would stop a request
+# drafting for good after a run of misses.
+MIN_CALIBRATION = 0.15
+
+
+def _points(q: float) -> tuple[int, int, float]:
+    """The powers of two around q and q's linear weight on the upper one."""
+    q = max(q, 1.0)
+    lower = 1 << int(math.floor(math.log2(q)))
+    return lower, 2 * lower, (q - lower) / lower
+
+
+def _interpolate(table: dict[int, float], q: float) -> float:
+    lower, upper, weight = _points(q)
+    top = max(table)
+    if lower >= top:
+        return table[top] * q / top  # past the table: cost grows in proportion to the tokens
+    return table[lower] + weight * (table[upper] - table[lower])
+
+
+@dataclass
+class CostModel:
+    """Seconds per forward at q = 1, 2, 4, 8, ... new tokens (medians of the last COST_WINDOW
+    forwards credited to each), interpolated in between.
+
+    A forward over q tokens is credited to the nearer of the two powers of two around it, scaled
+    by the prior's slope between q and that point, so a draft of 20 tokens is neither charged
+    for 32 (which would make every width up to 32 look free) nor for 16.
+    """
+
+    prior: dict[int, float]
+    seconds: dict[int, float] = field(init=False, default_factory=dict)
+    _recent: dict[int, deque[float]] = field(init=False, default_factory=dict)
+    _relative: dict[int, float] = field(init=False)  # cost(point) / cost(1) for every prior point
+
+    def __post_init__(self) -> None:
+        self._relative = dict(self.prior)
+
+    @classmethod
+    def for_device(cls, device_type: str, prior: dict[int, float] | None = None) -> CostModel:
+        """Start from `prior` (the execution path's measured curve), else from the device's default."""
+        if prior is not None:
+            return cls(dict(prior))
+        return cls(GPU_PRIOR if device_type == "cuda" else STOCK_CPU_PRIOR)
+
+    def observe(self, q: int, seconds: float) -> None:
+        lower, upper, weight = _points(q)
+        point = min(upper if weight > 0.5 else lower, max(self.prior))
+        seconds *= _interpolate(self.prior, point) / _interpolate(self.prior, q)
+        recent = self._recent.setdefault(point, deque(maxlen=COST_WINDOW))
+        recent.append(seconds)
+        self.seconds[point] = statistics.median(recent)
+        if 1 in self.seconds:  # measured points where both were seen, else the prior's
+            for measured, typical in self.seconds.items():
+                self._relative[measured] = max(typical / self.seconds[1], 1.0)
+
+    def relative(self, q: int) -> float:
+        """cost(q) / cost(1)."""
+        return max(_interpolate(self._relative, q), 1.0)
+
+
+@dataclass
+class Calibration:
+    """Ratios of accepted draft tokens to the predicted sums of probabilities, for a draft's
+    first (best) branch and for its other branches apart: the others rest on weaker evidence,
+    and their probabilities overstate acceptance more.
+
+    The decoder keeps one across all requests; each request starts from it and adapts faster
+    to its own text.
+    """
+
+    ratio: float = 1.0
+    side_ratio: float = 1.0
+    rate: float = _EMA
+
+    def calibrated(self, draft: Draft) -> list[float]:
+        """Each node's probability times its branch's ratio, never above its parent's."""
+        first = draft.first_branch()
+        weights = [1.0]
+        for i in range(1, len(draft)):
+            ratio = self.ratio if i <= first else self.side_ratio
+            weights.append(min(ratio * draft.probs[i], weights[draft.parents[i]]))
+        return weights
+
+    def observe(self, draft: Draft, accepted_nodes: list[int]) -> None:
+        """Learn from a fed draft and the nodes the model accepted."""
+        first = draft.first_branch()
+        on_first = sum(1 for node in accepted_nodes if node <= first)
+        self.ratio = self._updated(self.ratio, sum(draft.probs[1 : first + 1]), on_first)
+        self.side_ratio = self._updated(
+            self.side_ratio, sum(draft.probs[first + 1 :]), len(accepted_nodes) - on_first
+        )
+
+    def _updated(self, ratio: float, predicted: float, accepted: int) -> float:
+        if predicted <= 0:
+            return ratio
+        sample = min(accepted / predicted, 1.0)  # probabilities are upper bounds: never inflate them
+        return max(MIN_CALIBRATION, ratio + self.rate * (sample - ratio))
+
+
+def plan_step(
+    drafts: list[Draft],
+    calibrations: list[Calibration],
+    adaptive: list[bool],
+    cost: CostModel,
+    token_budget: int,
+) -> list[Draft]:
+    """Trim the drafts of one batched step to the most cost-effective common width.
+
+    The batch is fed as k rows of q tokens (drafts padded to the widest), so a step costs
+    cost(k * q). For every q within the budget the expected yield is the sum over requests of
+    1 + (sum of its q - 1 most probable node probabilities, calibrated by that request's own
+    ratios: acceptance differs a lot between, say, code editing and a story); the q with
+    the best yield per cost wins, q = 1 being plain batched decoding. Requests that opted out of
+    adaptivity keep their whole draft (within the budget).
+    """
+    k = len(drafts)
+    widest = max(1, token_budget // k)
+    weights = [c.calibrated(d) for d, c in zip(drafts, calibrations)]
+    orders = [sorted(range(1, len(w)), key=lambda i, w=w: -w[i]) for w in weights]
+    # gains[r][m]: request r's expected accepted tokens from its m most probable nodes
+    gains = [list(accumulate((w[i] for i in order), initial=0.0)) for w, order in zip(weights, orders)]
+    forced = max((len(d) for d, a in zip(drafts, adaptive) if not a), default=1)
+    best_q, best_rate = 1, -1.0
+    for q in range(min(forced, widest), min(widest, max(len(d) for d in drafts)) + 1):
+        expected = k + sum(gain[min(q, len(gain)) - 1] for gain in gains)
+        rate = expected / cost.relative(k * q)
+        if rate > best_rate:
+            best_q, best_rate = q, rate
+    return [
+        d if len(d) <= best_q else d.subset(sorted([0, *order[: best_q - 1]]))
+        for d, order in zip(drafts, orders)
+    ]

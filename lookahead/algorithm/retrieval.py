@@ -1,0 +1,297 @@
+"""Draft retrieval: the last few context tokens -> a draft tree read from two n-gram tries.
+
+`local` is the request's own trie (its prompt; see decoder.py), `shared` the instance's
+global trie. Both are read through one merged view: a merged node is a pair of node ids (either
+may be missing) and its children are the union, by token, of both nodes' children.
+
+Probability model. A child's conditional probability backs off from local to shared evidence:
+
+    p(t | u) = p_local(t) + escape_local * p_shared(t),   p_trie(t) = count(u.t) / (seen(u) + 1/L)
+
+seen(u) is the number of occurrences of u that were followed by something: the sum of its
+children's counts (count(u) when u has more than CHILD_LIMIT children). Occurrences with no
+continuation yet, like the context itself, which the decoder has already fed to both tries,
+say nothing about what comes next. L is the number of context tokens the estimate is
+conditioned on (the matched query plus the path below it): the 1/L smoothing makes a 1-token
+match weak evidence (one prior occurrence -> 0.5) and a 4-token match strong (-> 0.8).
+escape_local = 1 - sum of p_local over u's children. So the request's own evidence (copying
+from the prompt is the strongest signal) gets its share first and shared evidence fills what
+local evidence leaves open. We back off rather than rank by weighted counts (w_local·c_local +
+w_shared·c_shared) because with pooled counts a token seen 100,000 times globally drowns the
+request's own "after X comes Y" evidence, whatever the weights.
+
+A node's probability is the product of conditionals on its path: the root has 1.0, values never
+increase along a path, and the probabilities of one depth sum to at most 1, so sum(probs) - 1 is
+the expected number of accepted draft tokens if the estimates are right.
+
+A copy (spans.py: what followed the longest earlier repeat of the request's latest tokens) is
+stronger evidence still and backs off the same way: on the copy's path, its next token c gets
+p_copy + (1 - p_copy) * p(c | u) and every other child (1 - p_copy) * p(t | u). The copy's path
+goes on below the tries' depth, alone.
+
+`hier` selects nodes best-first by that probability: the top nodes of a tree whose values never
+increase downwards form a connected subtree, and they maximise the expected accepted tokens for
+the budget. Children are enumerated from each trie's most recently used end, at most
+CHILD_LIMIT per node, so one query costs O(budget) however large the tries are.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+from typing import NamedTuple
+
+from ..config import DECODING_MODES
+from .draft import Draft
+from .spans import Copy
+from .trie import NO_NODE, NGramTrie
+
+CHILD_LIMIT = 8
+
+
+class _Node(NamedTuple):
+    """A draft node while the draft is built."""
+
+    token: int
+    parent: int  # index of the parent among the selected nodes (-1 for the root)
+    prob: float  # probability that the model's own continuation reaches this node
+    local_node: int  # the node's trie node in the request's own trie (NO_NODE: none)
+    shared_node: int  # and in the shared trie
+    depth: int
+    copy_index: int  # index of the copy token that would follow this node; -1 off the copy's path
+
+
+# One child a node may get: (conditional probability given the node, token, its node in the local
+# trie, in the shared trie, the index of the copy token that would follow it or -1). Built by the
+# hundred per query, so a plain tuple, always unpacked into these names.
+_Continuation = tuple[float, int, int, int, int]
+_NO_EVIDENCE = (NO_NODE, 0.0)
+
+
+class _MergedView:
+    """Read-only union of the local and the shared trie, and the request's copy draft."""
+
+    def __init__(self, local: NGramTrie | None, shared: NGramTrie | None, copy: Copy | None) -> None:
+        self.local = local
+        self.shared = shared
+        self.copy = copy
+
+    def match(self, query: Sequence[int]) -> tuple[int, int]:
+        return (
+            self.local.match(query) if self.local is not None else NO_NODE,
+            self.shared.match(query) if self.shared is not None else NO_NODE,
+        )
+
+    def counts(self, local_node: int, shared_node: int) -> tuple[float, float]:
+        return (
+            self.local.count(local_node) if local_node != NO_NODE else 0.0,
+            self.shared.count(shared_node) if shared_node != NO_NODE else 0.0,
+        )
+
+    def continuations(
+        self, local_node: int, shared_node: int, context_len: int, copy_index: int
+    ) -> list[_Continuation]:
+        """Every child, most recent first; the copy's next token, when on its path, backs off to the tries."""
+        local, local_unlisted = _conditionals(self.local, local_node, context_len)
+        shared, shared_unlisted = _conditionals(self.shared, shared_node, context_len)
+        evidence = []  # (token, local child, p_local, shared child, p_shared), the local trie's first
+        for token in dict.fromkeys([*local, *shared]):  # a child may lie past one trie's enumeration cap
+            local_child, p_local = local.get(token) or _lookup(self.local, local_node, token, local_unlisted)
+            shared_child, p_shared = shared.get(token) or _lookup(
+                self.shared, shared_node, token, shared_unlisted
+            )
+            evidence.append((token, local_child, p_local, shared_child, p_shared))
+        escape = max(0.0, 1.0 - sum(p_local for _, _, p_local, _, _ in evidence))
+        tries = [
+            (min(1.0, p_local + escape * p_shared), token, local_child, shared_child, -1)
+            for token, local_child, p_local, shared_child, p_shared in evidence
+        ]
+        if self.copy is None or not 0 <= copy_index < len(self.copy.tokens):
+            return tries
+        copied, p_copy = self.copy.tokens[copy_index], self.copy.conditional(copy_index)
+        kept, on_copy = [], (0.0, copied, NO_NODE, NO_NODE, -1)
+        for option in tries:
+            conditional, token, local_child, shared_child, _ = option
+            if token == copied:
+                on_copy = option
+            else:
+                kept.append((conditional * (1.0 - p_copy), token, local_child, shared_child, -1))
+        p_tries, _, local_child, shared_child, _ = on_copy
+        return [(p_copy + (1.0 - p_copy) * p_tries, copied, local_child, shared_child, copy_index + 1), *kept]
+
+
+def _conditionals(
+    trie: NGramTrie | None, node: int, context_len: int
+) -> tuple[dict[int, tuple[int, float]], float | None]:
+    """token -> (child, p_trie) for up to CHILD_LIMIT children of `node`, most recent first, and,
+    when `node` has more children than that, the denominator to price the unlisted ones with
+    (else None). Nothing for a missing trie or node."""
+    if trie is None or node == NO_NODE:
+        return {}, None
+    kids = trie.children(node, CHILD_LIMIT + 1)
+    capped = len(kids) > CHILD_LIMIT
+    seen = trie.count(node) if capped else sum(count for _, _, count in kids)
+    denominator = seen + 1.0 / context_len
+    listed = {token: (child, count / denominator) for token, child, count in kids[:CHILD_LIMIT]}
+    return listed, denominator if capped else None
+
+
+def _lookup(trie: NGramTrie | None, node: int, token: int, denominator: float | None) -> tuple[int, float]:
+    """(child, p_trie) of a child past the enumeration cap, or no evidence."""
+    if denominator is None:
+        return _NO_EVIDENCE
+    child = trie.child(node, token)
+    return (child, trie.count(child) / denominator) if child != NO_NODE else _NO_EVIDENCE
+
+
+def retrieve_draft(
+    context: Sequence[int],
+    local: NGramTrie | None,
+    shared: NGramTrie | None,
+    *,
+    decoding_length: int,
+    branch_length: int,
+    mode: str = "hier",
+    max_query_length: int = 4,
+    copy: Copy | None = None,
+    stop_tokens: frozenset[int] = frozenset(),
+) -> Draft:
+    """The draft to verify after `context`: at most `decoding_length` nodes (root included), depth
+    at most `branch_length`, tokens[0] == context[-1]; the bare root when nothing matches.
+    `copy` (see spans.py) continues the request's longest repeat of its latest tokens, also
+    past the tries' depth. A node carrying one of `stop_tokens` (the request's EOS ids) gets no
+    children: the request ends there, so nothing below it could be accepted.
+
+    The longest matching query (last k tokens, k <= max_query_length) is tried first; a shorter
+    one replaces it only if its draft has a larger expected number of accepted tokens.
+    """
+    if not context:
+        raise ValueError("context must hold at least the root token")
+    if mode not in DECODING_MODES:
+        raise ValueError(f"mode must be one of {', '.join(DECODING_MODES)}, got {mode!r}")
+    root = int(context[-1])
+    depth_limit = min(branch_length, decoding_length - 1)
+    if depth_limit <= 0 or (local is None and shared is None and copy is None):
+        return Draft.root_only(root)
+    view = _MergedView(local, shared, copy)
+    best = Draft.root_only(root)
+    best_value = 1.0
+    previous_counts = None
+    for query_len in range(min(max_query_length, len(context)), 0, -1):
+        query = context[-query_len:]
+        local_node, shared_node = view.match(query)
+        if local_node == NO_NODE and shared_node == NO_NODE and copy is None:
+            continue
+        counts = view.counts(local_node, shared_node)
+        if counts == previous_counts:
+            continue  # every occurrence of this query extends the longer one: same evidence, less context
+        previous_counts = counts
+        start = _Node(root, -1, 1.0, local_node, shared_node, 0, 0 if copy is not None else -1)
+        if mode == "one":
+            nodes = _best_chain(view, start, query_len, depth_limit, stop_tokens)
+        else:
+            nodes = _best_first(view, start, query_len, decoding_length, depth_limit, stop_tokens)
+        value = sum(node.prob for node in nodes)
+        if value > best_value:
+            best, best_value = _layout(nodes, mode, decoding_length), value
+    return best
+
+
+def _best_first(
+    view: _MergedView,
+    start: _Node,
+    query_len: int,
+    budget: int,
+    depth_limit: int,
+    stop_tokens: frozenset[int],
+) -> list[_Node]:
+    """The `budget` most probable nodes of the matched subtree (root included), in selection order."""
+    selected: list[_Node] = []
+    # (-probability, push order, parent index, depth, continuation): a child becomes a node only
+    # once it is selected, and most never are
+    frontier: list[tuple[float, int, int, int, _Continuation | None]] = [(-1.0, 0, -1, 0, None)]
+    pushed = 1
+    while frontier and len(selected) < budget:
+        negative_prob, _, parent, depth, option = heapq.heappop(frontier)
+        if option is None:
+            node = start
+        else:
+            _, token, local_child, shared_child, copy_next = option
+            node = _Node(token, parent, -negative_prob, local_child, shared_child, depth, copy_next)
+        index = len(selected)
+        selected.append(node)
+        if node.depth == depth_limit or len(selected) == budget or _ends_request(node, stop_tokens):
+            continue
+        for option in view.continuations(
+            node.local_node, node.shared_node, query_len + node.depth, node.copy_index
+        ):
+            conditional = option[0]
+            child_prob = node.prob * conditional
+            if child_prob > 0.0:
+                heapq.heappush(frontier, (-child_prob, pushed, index, node.depth + 1, option))
+                pushed += 1
+    return selected
+
+
+def _best_chain(
+    view: _MergedView, start: _Node, query_len: int, depth_limit: int, stop_tokens: frozenset[int]
+) -> list[_Node]:
+    """`one` mode: follow the most probable child at each level."""
+    chain = [start]
+    while chain[-1].depth < depth_limit and not _ends_request(chain[-1], stop_tokens):
+        last = chain[-1]
+        options = view.continuations(
+            last.local_node, last.shared_node, query_len + last.depth, last.copy_index
+        )
+        if not options:
+            break
+        conditional, token, local_child, shared_child, copy_next = max(options, key=lambda option: option[0])
+        if conditional <= 0.0:
+            break
+        prob = last.prob * conditional
+        chain.append(_Node(token, len(chain) - 1, prob, local_child, shared_child, last.depth + 1, copy_next))
+    return chain
+
+
+def _ends_request(node: _Node, stop_tokens: frozenset[int]) -> bool:
+    """A draft node carrying a stop token, below which nothing could be accepted. The root is
+    already committed text, and a prompt may well end with an EOS id."""
+    return node.depth > 0 and node.token in stop_tokens
+
+
+def _layout(nodes: list[_Node], mode: str, budget: int) -> Draft:
+    """DFS order with the most probable child first, so the best branch is nodes 1..m.
+
+    `par` re-emits every root-to-leaf path as its own chain under the root, within the budget.
+    """
+    children: list[list[int]] = [[] for _ in nodes]
+    for index, node in enumerate(nodes[1:], start=1):
+        children[node.parent].append(index)  # selection order is descending probability
+    order: list[int] = []
+    stack = [0]
+    while stack:
+        index = stack.pop()
+        order.append(index)
+        stack.extend(reversed(children[index]))
+    if mode != "par":
+        position = {index: new for new, index in enumerate(order)}
+        return Draft(
+            [nodes[i].token for i in order],
+            [-1] + [position[nodes[i].parent] for i in order[1:]],
+            [nodes[i].prob for i in order],
+        )
+    tokens, parents, probs = [nodes[0].token], [-1], [1.0]
+    for leaf in (i for i in order if not children[i] and i != 0):
+        path = []
+        while leaf != 0:
+            path.append(leaf)
+            leaf = nodes[leaf].parent
+        parent = 0
+        for index in reversed(path):
+            if len(tokens) == budget:
+                return Draft(tokens, parents, probs)
+            tokens.append(nodes[index].token)
+            parents.append(parent)
+            probs.append(nodes[index].prob)
+            parent = len(tokens) - 1
+    return Draft(tokens, parents, probs)

@@ -1,0 +1,11 @@
+"""The optional fast CPU path: fp32 models on a packed linear kernel and lean C++ decoder layers.
+
+Model loading calls its one entry point, `apply_fast_path`; nothing else in the library imports
+this package, and without it every model runs on transformers' stock layers. Its results do not
+depend on how many tokens share a forward, so plain and speculative decoding give the same bits.
+"""
+
+from .extension import FastPathUnavailable
+from .fast_path import FastPath, apply_fast_path, prepare
+
+__all__ = ["FastPath", "FastPathUnavailable", "apply_fast_path", "prepare"]

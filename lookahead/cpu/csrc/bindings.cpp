@@ -1,0 +1,58 @@
+// The Python module of the fast CPU path (lookahead/cpu/extension.py builds one per variant):
+// packed matrices, lean layers, the pool step of the layer stack, the fp32 kernel.
+#include "lean_layer.h"
+
+namespace {
+
+PackedMatrix packed_matrix(const std::string& form, torch::Tensor weights, std::optional<torch::Tensor> d,
+                           std::optional<torch::Tensor> m, std::optional<torch::Tensor> bias, int64_t N) {
+  using Form = PackedMatrix::Form;
+  TORCH_CHECK(form == "fp32" || form == "int8" || form == "int4", "unknown packed form ", form);
+  const Form kind = form == "fp32" ? Form::kFp32 : form == "int8" ? Form::kInt8 : Form::kInt4;
+  TORCH_CHECK(kind == Form::kFp32 || (d && m), "an integer form needs its scales");
+  return {kind, std::move(weights), d.value_or(torch::Tensor()), m.value_or(torch::Tensor()),
+          bias.value_or(torch::Tensor()), N};
+}
+
+using NormWeights = std::pair<torch::Tensor, double>;  // (weight, eps), as Python passes them
+
+std::optional<RmsNorm> optional_norm(const std::optional<NormWeights>& norm) {
+  if (!norm) return std::nullopt;
+  return RmsNorm{norm->first, norm->second};
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
+  // The calls below touch no Python object: they let other Python threads (the backend's
+  // response thread) run while a forward computes. Every class is local to its module, so that
+  // several variants of the extension load side by side in one process.
+  using ReleaseGil = pybind11::call_guard<pybind11::gil_scoped_release>;
+  module.def("fp32_linear", &fp32_linear, "x @ W^T, W packed [N/16, K, 16] (the reference the tests compare with)",
+             ReleaseGil());
+  pybind11::class_<PackedMatrix>(module, "PackedMatrix", pybind11::module_local())
+      .def(pybind11::init(&packed_matrix), pybind11::arg("form"), pybind11::arg("weights"), pybind11::arg("d"),
+           pybind11::arg("m"), pybind11::arg("bias"), pybind11::arg("N"))
+      .def("__call__", &PackedMatrix::operator(), "rows [M, K] -> [M, N]", ReleaseGil());
+  pybind11::class_<LeanLayer>(module, "LeanLayer", pybind11::module_local())
+      .def(pybind11::init([](PackedMatrix qkv, PackedMatrix o, PackedMatrix gate_up, PackedMatrix down,
+                             NormWeights input_norm, NormWeights post_norm, std::optional<NormWeights> query_norm,
+                             std::optional<NormWeights> key_norm, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                             int64_t inner, double scaling) {
+             return LeanLayer{qkv, o, gate_up, down,
+                              RmsNorm{input_norm.first, input_norm.second},
+                              RmsNorm{post_norm.first, post_norm.second},
+                              optional_norm(query_norm), optional_norm(key_norm), heads, kv_heads, head_dim,
+                              inner, scaling};
+           }))
+      .def("before_attention", &LeanLayer::before_attention, ReleaseGil())
+      .def("after_attention", &LeanLayer::after_attention, ReleaseGil());
+  pybind11::class_<PoolStep>(module, "PoolStep", pybind11::module_local())
+      .def(pybind11::init([](int64_t start, std::optional<torch::Tensor> slots, std::optional<torch::Tensor> positions,
+                             int64_t read_length) { return PoolStep{start, slots, positions, read_length}; }),
+           pybind11::arg("start"), pybind11::arg("slots"), pybind11::arg("positions"), pybind11::arg("read_length"))
+      .def("write_and_read", &PoolStep::write_and_read, ReleaseGil());
+  pybind11::class_<LeanStack>(module, "LeanStack", pybind11::module_local())
+      .def(pybind11::init([](std::vector<LeanLayer> layers) { return LeanStack{std::move(layers)}; }))
+      .def("__call__", &LeanStack::forward, ReleaseGil());
+}

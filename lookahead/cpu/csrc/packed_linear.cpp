@@ -1,0 +1,319 @@
+// y = x @ W^T in fp32 on AVX-512 CPUs, fast for the few rows a decoding step feeds.
+//
+// Stock sgemm re-packs the weight matrix on every call, so a forward over 2-64 rows streams the
+// weights twice and costs ~2x a one-row forward. Here the weights are packed once, at load, into
+// column blocks of 16 outputs laid out [block][k][16]: one 512-bit weight vector per k feeds
+// every row of a tile, and the next block pair is prefetched into L2 while this one computes.
+//
+// Weights come in three forms with the same values. Fp32Weights holds them as they are.
+// Int8Weights and Int4Weights hold weights that are exactly fl(fl(d * q) + m) for an integer q
+// and one fp16 (d, m) per 32 inputs, as a model dequantised from an 8- or 4-bit checkpoint is:
+// the kernel rebuilds every weight bit for bit (one fused multiply-add, exact here: see
+// ScaleRegisters) from 1.125 bytes (q in a byte) or 0.625 bytes (q in 0..15, two per byte)
+// rather than 4, and memory bandwidth is what bounds a decoding step on a CPU.
+//
+// Every output is the same sequential fused multiply-add chain over k whatever the number of
+// rows or the weight form, so a token's logits do not depend on how many tokens share its
+// forward: verifying a draft reproduces plain decoding bit for bit.
+#include "packed_linear.h"
+
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kLanes = 16;    // outputs per packed block: one zmm register
+constexpr int64_t kGroup = 32;    // inputs sharing one (d, m) in Int8Weights and Int4Weights
+constexpr int64_t kBlocks = 2;    // blocks per tile
+constexpr int64_t kFewRows = 4, kWideBlocks = 4;  // up to 4 rows: 4 blocks per tile
+constexpr int64_t kMaxRows = 12;  // 12 rows x 2 blocks = 24 accumulators, room left for the weights
+// From this many row tiles on (a prefill), int8 and int4 blocks are rebuilt once per group rather
+// than in every tile; at a few tiles writing and re-reading the rebuilt copy costs more than it saves.
+constexpr int64_t kRebuildTiles = 8;
+
+// Every form loads the weights of k + H for an even k and H = 0 or 1 (a compile-time constant),
+// so that Int4Weights knows which half of a byte it wants, and prefetches the lines a pair of
+// k's reads. The integer forms rebuild weights from scales held in registers for a span of 32
+// inputs (`group`); fp32 has no scales, and one span covers all of K.
+struct Fp32Weights {
+  const float* w;  // [blocks][K][16]
+  int64_t K;
+
+  template <int Blocks>
+  struct Group {};
+
+  Fp32Weights at(int64_t block) const { return {w + block * K * kLanes, K}; }
+  int64_t span() const { return K; }
+  template <int Blocks>
+  Group<Blocks> group(int64_t) const { return {}; }
+  template <int H, class G>
+  __m512 load(int64_t j, int64_t k, const G&) const { return _mm512_loadu_ps(w + (j * K + k + H) * kLanes); }
+  void prefetch(int64_t j, int64_t k) const {
+    for (int64_t h = 0; h < 2; ++h)
+      _mm_prefetch(reinterpret_cast<const char*>(w + (j * K + k + h) * kLanes), _MM_HINT_T1);
+  }
+};
+
+// The (d, m) of Blocks blocks for one span of 32 inputs, widened from fp16.
+template <int Blocks>
+struct ScaleRegisters {
+  __m512 d[Blocks], m[Blocks];
+
+  // fl(fl(d * q) + m) in one instruction: d has at most 11 significant bits (fp16) and |q| <= 255
+  // at most 8, so d * q is exact in fp32 and rounding d * q + m once gives the very same bits.
+  __m512 rebuild(int j, __m512 q) const { return _mm512_fmadd_ps(d[j], q, m[j]); }
+};
+
+// One fp16 (d, m) per 32 inputs: [blocks][K / 32][16] each.
+struct Scales {
+  const uint16_t* d;
+  const uint16_t* m;
+
+  Scales at(int64_t block, int64_t K) const {
+    const int64_t offset = block * (K / kGroup) * kLanes;
+    return {d + offset, m + offset};
+  }
+  template <int Blocks>
+  ScaleRegisters<Blocks> group(int64_t K, int64_t k) const {
+    ScaleRegisters<Blocks> registers;
+#pragma GCC unroll 16
+    for (int j = 0; j < Blocks; ++j) {
+      const int64_t offset = (j * (K / kGroup) + k / kGroup) * kLanes;
+      registers.d[j] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(d + offset)));
+      registers.m[j] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(m + offset)));
+    }
+    return registers;
+  }
+};
+
+// What Int8Weights and Int4Weights share: K inputs whose spans of 32 have their own scales.
+struct ScaledWeights {
+  Scales scales;
+  int64_t K;
+
+  template <int Blocks>
+  using Group = ScaleRegisters<Blocks>;
+
+  int64_t span() const { return kGroup; }
+  template <int Blocks>
+  Group<Blocks> group(int64_t k) const { return scales.group<Blocks>(K, k); }
+};
+
+struct Int8Weights : ScaledWeights {
+  const int8_t* q;  // [blocks][K][16]
+
+  Int8Weights at(int64_t block) const { return {{scales.at(block, K), K}, q + block * K * kLanes}; }
+  template <int H, class G>
+  __m512 load(int64_t j, int64_t k, const G& group) const {
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + (j * K + k + H) * kLanes));
+    return group.rebuild(j, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes)));
+  }
+  void prefetch(int64_t j, int64_t k) const {
+    if (k % 4 == 0)  // a cache line holds 4 k's of int8 weights
+      _mm_prefetch(reinterpret_cast<const char*>(q + (j * K + k) * kLanes), _MM_HINT_T1);
+  }
+};
+
+struct Int4Weights : ScaledWeights {
+  const uint8_t* q;  // [blocks][K / 2][16]: q of k in the low nibble, of k + 1 in the high one
+
+  Int4Weights at(int64_t block) const { return {{scales.at(block, K), K}, q + block * (K / 2) * kLanes}; }
+  template <int H, class G>
+  __m512 load(int64_t j, int64_t k, const G& group) const {
+    __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + (j * (K / 2) + k / 2) * kLanes));
+    if constexpr (H == 1) bytes = _mm_srli_epi16(bytes, 4);
+    bytes = _mm_and_si128(bytes, _mm_set1_epi8(0x0F));
+    return group.rebuild(j, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes)));
+  }
+  void prefetch(int64_t j, int64_t k) const {
+    if (k % 8 == 0)  // a cache line holds 8 k's of int4 weights
+      _mm_prefetch(reinterpret_cast<const char*>(q + (j * (K / 2) + k / 2) * kLanes), _MM_HINT_T1);
+  }
+};
+
+template <int Rows, int Blocks, class Weights>
+inline void tile(const float* x, const Weights& w, float* y, int64_t ldy, int64_t n0, int64_t N, const Weights* next) {
+  const int64_t K = w.K;
+  __m512 acc[Rows][Blocks];
+#pragma GCC unroll 16
+  for (int r = 0; r < Rows; ++r)
+#pragma GCC unroll 16
+    for (int j = 0; j < Blocks; ++j) acc[r][j] = _mm512_setzero_ps();
+  // The step for input k + H; k advances by pairs, so Int4Weights' nibble choice is a constant.
+  auto step = [&](int64_t k, const auto& group, auto h) {
+    constexpr int H = decltype(h)::value;
+    __m512 wk[Blocks];
+#pragma GCC unroll 16
+    for (int j = 0; j < Blocks; ++j) wk[j] = w.template load<H>(j, k, group);
+#pragma GCC unroll 16
+    for (int r = 0; r < Rows; ++r) {
+      const __m512 xr = _mm512_set1_ps(x[r * K + k + H]);
+#pragma GCC unroll 16
+      for (int j = 0; j < Blocks; ++j) acc[r][j] = _mm512_fmadd_ps(xr, wk[j], acc[r][j]);
+    }
+  };
+  for (int64_t k0 = 0; k0 < K; k0 += w.span()) {
+    const auto group = w.template group<Blocks>(k0);
+    const int64_t end = std::min(K, k0 + w.span());
+    int64_t k = k0;
+    for (; k + 1 < end; k += 2) {
+      if (next)
+#pragma GCC unroll 16
+        for (int j = 0; j < Blocks; ++j) next->prefetch(j, k);
+      step(k, group, std::integral_constant<int, 0>{});
+      step(k, group, std::integral_constant<int, 1>{});
+    }
+    if (k < end) step(k, group, std::integral_constant<int, 0>{});  // fp32 with an odd K
+  }
+#pragma GCC unroll 16
+  for (int j = 0; j < Blocks; ++j) {
+    const int64_t n = n0 + j * kLanes;
+    const int64_t left = N - n;
+    const __mmask16 mask = left >= kLanes ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
+#pragma GCC unroll 16
+    for (int r = 0; r < Rows; ++r) _mm512_mask_storeu_ps(y + r * ldy + n, mask, acc[r][j]);
+  }
+}
+
+template <int Blocks, class Weights>
+void tile_rows(int rows, const float* x, const Weights& w, float* y, int64_t ldy, int64_t n0, int64_t N,
+               const Weights* next) {
+  switch (rows) {
+#define ROWS_CASE(R) \
+  case R:            \
+    return tile<R, Blocks>(x, w, y, ldy, n0, N, next);
+    ROWS_CASE(1) ROWS_CASE(2) ROWS_CASE(3) ROWS_CASE(4) ROWS_CASE(5) ROWS_CASE(6)
+    ROWS_CASE(7) ROWS_CASE(8) ROWS_CASE(9) ROWS_CASE(10) ROWS_CASE(11) ROWS_CASE(12)
+#undef ROWS_CASE
+  }
+}
+
+// Int8 or int4 blocks of a group that several row tiles read, rebuilt once into fp32: the same
+// fl(fl(d * q) + m) values load() computes, so every result keeps its bits, and the tiles then
+// spend their cycles on multiply-adds rather than on rebuilding the same weights again.
+template <class Weights>
+inline Fp32Weights rebuilt(const Weights& w, int64_t blocks, float* scratch) {
+  for (int64_t j = 0; j < blocks; ++j) {
+    const Weights block = w.at(j);
+    for (int64_t k0 = 0; k0 < w.K; k0 += kGroup) {
+      const auto group = block.template group<1>(k0);
+      for (int64_t k = k0; k < k0 + kGroup; k += 2) {
+        _mm512_storeu_ps(scratch + (j * w.K + k) * kLanes, block.template load<0>(0, k, group));
+        _mm512_storeu_ps(scratch + (j * w.K + k + 1) * kLanes, block.template load<1>(0, k, group));
+      }
+    }
+  }
+  return {scratch, w.K};
+}
+
+// Every row tile of one group: `width` (<= Blocks) blocks from block b0, held by `w`. The first
+// tile pulls `next`, the following group, into L2 (the later tiles find this group there).
+template <int Blocks, class Weights>
+void group_tiles(const float* xp, const Weights& w, int64_t width, int64_t b0, float* yp, int64_t M,
+                 int64_t N, int64_t rows_per_tile, const Weights* next) {
+  const int64_t K = w.K;
+  for (int64_t m0 = 0; m0 < M; m0 += rows_per_tile) {
+    const int rows = static_cast<int>(std::min(rows_per_tile, M - m0));
+    if (width == Blocks) {
+      tile_rows<Blocks, Weights>(rows, xp + m0 * K, w, yp + m0 * N, N, b0 * kLanes, N, m0 == 0 ? next : nullptr);
+    } else {
+      for (int64_t j = 0; j < width; ++j)  // the last, narrower group
+        tile_rows<1, Weights>(rows, xp + m0 * K, w.at(j), yp + m0 * N, N, (b0 + j) * kLanes, N, nullptr);
+    }
+  }
+}
+
+// Groups of `Blocks` blocks, split between threads; the caller picks Blocks so that rows x Blocks
+// accumulators keep enough independent FMA chains in flight.
+template <int Blocks, class Weights>
+void linear_tiles(const float* xp, const Weights& weights, int64_t blocks, float* yp, int64_t M, int64_t N) {
+  const int64_t tiles = (M + kMaxRows - 1) / kMaxRows;
+  const int64_t rows_per_tile = (M + tiles - 1) / tiles;  // balanced: 16 rows are 8 + 8, not 12 + 4
+  const int64_t groups = (blocks + Blocks - 1) / Blocks;
+  constexpr bool kQuantised = !std::is_same_v<Weights, Fp32Weights>;
+  const bool rebuild = kQuantised && tiles >= kRebuildTiles;
+  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch(rebuild ? Blocks * weights.K * kLanes : 0);
+    for (int64_t g = begin; g < end; ++g) {
+      const int64_t b0 = g * Blocks;
+      const int64_t width = std::min<int64_t>(Blocks, blocks - b0);
+      if constexpr (kQuantised) {
+        if (rebuild) {
+          const Fp32Weights w = rebuilt(weights.at(b0), width, scratch.data());
+          group_tiles<Blocks, Fp32Weights>(xp, w, width, b0, yp, M, N, rows_per_tile, nullptr);
+          continue;
+        }
+      }
+      const Weights next = weights.at(b0 + Blocks);
+      const Weights* prefetch = g + 1 < end ? &next : nullptr;
+      group_tiles<Blocks, Weights>(xp, weights.at(b0), width, b0, yp, M, N, rows_per_tile, prefetch);
+    }
+  });
+}
+
+template <class Weights>
+torch::Tensor linear(const torch::Tensor& x, const Weights& weights, int64_t blocks, int64_t N) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == torch::kFloat32, "x must be [M, K] fp32");
+  TORCH_CHECK(x.size(1) == weights.K, "x has ", x.size(1), " inputs, the weight ", weights.K);
+  const int64_t M = x.size(0);
+  auto y = torch::empty({M, N}, x.options());
+  if (M == 0) return y;
+  if (M <= kFewRows)
+    linear_tiles<kWideBlocks>(x.data_ptr<float>(), weights, blocks, y.data_ptr<float>(), M, N);
+  else
+    linear_tiles<kBlocks>(x.data_ptr<float>(), weights, blocks, y.data_ptr<float>(), M, N);
+  return y;
+}
+
+void check_packed(const torch::Tensor& t, torch::ScalarType type, int64_t dims, const char* name) {
+  TORCH_CHECK(t.is_contiguous() && t.scalar_type() == type && t.dim() == dims && t.size(-1) == kLanes,
+              name, " is not a packed tensor from lookahead.cpu.packed_linear");
+}
+
+Scales checked_scales(const torch::Tensor& d, const torch::Tensor& m, int64_t K) {
+  check_packed(d, torch::kHalf, 3, "d");
+  check_packed(m, torch::kHalf, 3, "m");
+  TORCH_CHECK(K % kGroup == 0 && d.sizes() == m.sizes() && d.size(1) * kGroup == K, "scale shapes");
+  return {reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>()),
+          reinterpret_cast<const uint16_t*>(m.data_ptr<at::Half>())};
+}
+
+// x: [M, K]; q: [ceil(N / 16), K, 16] int8; d, m: fp16 scales. Returns [M, N].
+torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& d,
+                          const torch::Tensor& m, int64_t N) {
+  check_packed(q, torch::kInt8, 3, "q");
+  const Scales scales = checked_scales(d, m, q.size(1));
+  return linear(x, Int8Weights{{scales, q.size(1)}, q.data_ptr<int8_t>()}, q.size(0), N);
+}
+
+// As int8_linear with q in 0..15, two k's per byte: q: [ceil(N / 16), K / 2, 16] uint8.
+torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& d,
+                          const torch::Tensor& m, int64_t N) {
+  check_packed(q, torch::kUInt8, 3, "q");
+  const Scales scales = checked_scales(d, m, 2 * q.size(1));
+  return linear(x, Int4Weights{{scales, 2 * q.size(1)}, q.data_ptr<uint8_t>()}, q.size(0), N);
+}
+
+}  // namespace
+
+torch::Tensor fp32_linear(const torch::Tensor& x, const torch::Tensor& w, int64_t N) {
+  check_packed(w, torch::kFloat32, 3, "w");
+  return linear(x, Fp32Weights{w.data_ptr<float>(), w.size(1)}, w.size(0), N);
+}
+
+torch::Tensor PackedMatrix::operator()(const torch::Tensor& rows) const {
+  torch::Tensor y;
+  if (form == Form::kFp32)
+    y = fp32_linear(rows, weights, N);
+  else if (form == Form::kInt8)
+    y = int8_linear(rows, weights, d, m, N);
+  else
+    y = int4_linear(rows, weights, d, m, N);
+  if (bias.defined()) y += bias;
+  return y;
+}

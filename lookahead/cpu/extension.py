@@ -1,0 +1,113 @@
+"""The C++ extension of the fast CPU path: which variants this CPU runs, and building them.
+
+The kernel (csrc/packed_linear.cpp), the lean layers (csrc/lean_layer.cpp) and their bindings
+are compiled by the machine's g++ (torch.utils.cpp_extension) once per variant into
+.cache/kernels (or $LOOKAHEAD_KERNEL_DIR); a build is keyed by the sources, the flags and the
+torch version, so a changed source never loads a stale library.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+_SOURCES = Path(__file__).with_name("csrc")
+_BUILD_ROOT = Path(
+    os.environ.get("LOOKAHEAD_KERNEL_DIR") or Path(__file__).resolve().parents[2] / ".cache" / "kernels"
+)
+_COMMON_FLAGS = ("-O3", "-ffp-contract=off", "-fopenmp")
+
+
+class FastPathUnavailable(RuntimeError):
+    """This machine, model or device cannot run the fast CPU path."""
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One build of the extension for one instruction set."""
+
+    name: str
+    flags: tuple[str, ...]  # g++ target flags
+    cpu_flags: frozenset[str]  # /proc/cpuinfo flags the CPU must have
+
+    @property
+    def module_name(self) -> str:
+        return f"lookahead_cpu_{self.name}"
+
+
+VARIANTS = (
+    Variant("avx512", ("-mavx512f", "-mavx512vl", "-mfma"), frozenset({"avx512f", "avx512vl", "fma"})),
+)
+
+
+def cpu_flags() -> frozenset[str]:
+    """The flags this CPU reports (Linux /proc/cpuinfo); empty where there is none."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    line = next((line for line in text.splitlines() if line.startswith("flags")), "")
+    return frozenset(line.partition(":")[2].split())
+
+
+def runnable_variants() -> tuple[Variant, ...]:
+    """The variants this CPU can run, fastest first."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return ()
+    flags = cpu_flags()
+    return tuple(variant for variant in VARIANTS if variant.cpu_flags <= flags)
+
+
+def why_no_variant() -> str:
+    """Why no variant runs here (only meaningful when `runnable_variants()` is empty)."""
+    machine = platform.machine()
+    if machine.lower() not in ("x86_64", "amd64"):
+        return f"the fast CPU path needs an x86-64 CPU, this one is {machine}"
+    needed = " or ".join("+".join(sorted(v.cpu_flags)) for v in VARIANTS)
+    return f"the fast CPU path needs an x86-64 CPU with {needed}; this one has none of these sets"
+
+
+def variant_named(name: str) -> Variant:
+    for variant in VARIANTS:
+        if variant.name == name:
+            return variant
+    raise ValueError(f"unknown CPU variant {name!r}: one of {', '.join(v.name for v in VARIANTS)}")
+
+
+@cache
+def load_extension(variant: Variant) -> ModuleType:
+    """Compile (first time, ~1 min) or load one variant of the extension."""
+    if variant not in runnable_variants():
+        raise FastPathUnavailable(f"this CPU cannot run the {variant.name} variant ({why_no_variant()})")
+    from torch.utils import cpp_extension
+
+    try:
+        import ninja
+
+        os.environ["PATH"] = f"{ninja.BIN_DIR}{os.pathsep}{os.environ.get('PATH', '')}"
+    except ImportError:
+        pass  # a ninja on PATH will do
+    files = sorted(_SOURCES.glob("*.[ch]*"))
+    flags = [*_COMMON_FLAGS, *variant.flags]
+    digest = hashlib.sha256(b"".join(f.read_bytes() for f in files) + " ".join(flags).encode()).hexdigest()
+    build = _BUILD_ROOT / f"{variant.module_name}-torch{torch.__version__}-{digest[:12]}"
+    build.mkdir(parents=True, exist_ok=True)
+    try:
+        return cpp_extension.load(
+            variant.module_name,
+            [str(f) for f in files if f.suffix == ".cpp"],
+            extra_cflags=flags,
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(build),
+        )
+    except (OSError, RuntimeError, ImportError) as error:
+        raise FastPathUnavailable(
+            f"could not build the {variant.name} kernel in {_SOURCES}: {error}"
+        ) from error

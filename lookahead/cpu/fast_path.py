@@ -1,0 +1,95 @@
+"""The one entry point of the fast CPU path, called by model loading.
+
+`apply_fast_path` swaps modules of a loaded model for faster ones with the same results and says
+what it did: grouped-query SDPA that reads K/V heads in place (attention.py), fp32 linear layers
+packed for the kernel variant this CPU runs best (packed_linear.py), and, where they give the same
+bits, lean decoder layers run from C++ (lean_layers.py).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..config import LINEAR_KERNELS
+from .attention import use_grouped_sdpa
+from .cost_priors import PRIORS
+from .extension import FastPathUnavailable, load_extension, runnable_variants, why_no_variant
+from .lean_layers import use_lean_layers
+from .packed_linear import pack_linear_layers
+
+logger = logging.getLogger("lookahead")
+
+
+@dataclass(frozen=True)
+class FastPath:
+    """What `apply_fast_path` did to a model."""
+
+    linear_kernel: str  # "packed" or "stock"
+    variant: str | None = None  # the kernel variant, when packed
+    cost_prior: dict[int, float] | None = None  # the forward's measured cost curve on this path
+    reason: str = ""  # why the stock layers are used, when they are
+    lean_layers: bool = False
+
+    def describe(self) -> str:
+        if self.linear_kernel == "stock":
+            return f"stock linear layers ({self.reason})" if self.reason else "stock linear layers"
+        layers = "lean layers" if self.lean_layers else "transformers' layers"
+        return f"packed {self.variant} kernel, {layers}"
+
+
+def apply_fast_path(model: Any, linear_kernel: str = "auto") -> FastPath:
+    """Put `model` on the linear kernel named `linear_kernel` ("auto": packed where it can run).
+
+    Raises ValueError for an unknown name and FastPathUnavailable when "packed" cannot run here.
+    """
+    if linear_kernel not in LINEAR_KERNELS:
+        raise ValueError(f"linear_kernel must be one of {', '.join(LINEAR_KERNELS)}, not {linear_kernel!r}")
+    use_grouped_sdpa(model)
+    if linear_kernel == "stock":
+        return FastPath("stock", reason="linear_kernel stock")
+    try:
+        variant = _usable_variant(model)
+        extension = load_extension(variant)
+    except FastPathUnavailable as error:
+        if linear_kernel == "packed":
+            raise
+        logger.info("linear_kernel auto: stock (%s)", error)
+        return FastPath("stock", reason=str(error))
+    pack_linear_layers(model, extension)
+    lean = use_lean_layers(model, extension)
+    if not lean:
+        logger.info("packed kernel: %s keeps transformers' decoder layers", type(model).__name__)
+    return FastPath("packed", variant.name, PRIORS[variant.name], lean_layers=lean)
+
+
+def _usable_variant(model: Any) -> Any:
+    parameter = next(model.parameters())
+    if parameter.device.type != "cpu":
+        raise FastPathUnavailable(f"the packed kernel runs on the CPU, not {parameter.device}")
+    if parameter.dtype != torch.float32:
+        raise FastPathUnavailable(
+            f"the packed kernel is fp32 only, not {str(parameter.dtype).removeprefix('torch.')}"
+        )
+    variants = runnable_variants()
+    if not variants:
+        raise FastPathUnavailable(why_no_variant())
+    return variants[0]
+
+
+def prepare() -> list[str]:
+    """Build every variant this CPU runs ahead of time (scripts/bootstrap.sh), so that no model
+    load waits for a compile; one line per variant, or why the stock layers will be used."""
+    variants = runnable_variants()
+    if not variants:
+        return [f"unavailable, the stock layers will be used ({why_no_variant()})"]
+    lines = []
+    for variant in variants:
+        try:
+            lines.append(f"{variant.name}: {load_extension(variant).__file__}")
+        except FastPathUnavailable as error:
+            lines.append(f"{variant.name}: unavailable ({error})")
+    return lines

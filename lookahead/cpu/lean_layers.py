@@ -1,0 +1,247 @@
+"""Decoder layers of packed Llama-shaped models without transformers' per-operation Python.
+
+A one-token step of a small model on the CPU spends more time in the Python around its tensor
+operations (module calls, keyword plumbing, ~35 small ops per layer) than in the linear
+kernel's arithmetic. `use_lean_layers` turns each decoder layer of a packed Llama, Mistral,
+Qwen2 or Qwen3 model into its lean subclass (`LeanLlamaDecoderLayer`, ...): the same module with
+the same weights, whose forward runs from C++ (csrc/lean_layer.cpp) and issues the same ATen
+operations in the same order, with q/k/v and gate/up each one kernel call and RoPE applied to q
+and k together; only the cache update between its two halves stays in Python. Being subclasses, the
+layers stay what transformers expects (its output capture finds them by class). A Llama's inner
+model is wrapped in a `LeanLlamaModel`: no transformers wrappers around the layer loop, and on
+the decoder's KV pool the whole loop, pool writes included, is one C++ call (`LeanStack`, which
+applies the step's `PoolStep` as transformers' layers do through `StepCache`).
+
+The swap must reproduce the model's own forward bit for bit, which is checked at load (a
+prefill, a masked two-token step, a padded batch); on any difference the model keeps
+transformers' classes.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import DynamicCache
+from transformers.masking_utils import create_causal_mask
+from transformers.modeling_outputs import BaseModelOutputWithPast
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaModel
+from transformers.models.mistral.modeling_mistral import MistralDecoderLayer
+from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer
+from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer
+
+from ..runtime.kv_pool import PoolStep, StepCache
+from .packed_linear import PackedLinear
+
+
+class LeanDecoderLayer:
+    """The lean forward of a decoder layer: the C++ layer's two halves around the cache update.
+    Mixed into each supported layer class; `lean` is the C++ layer over this layer's weights."""
+
+    lean: Any
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        cache: Any = None,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        queries, keys, values = self.lean.before_attention(hidden_states, *position_embeddings)
+        if cache is not None:
+            keys, values = cache.update(keys, values, self.self_attn.layer_idx, kwargs=kwargs)
+        length = hidden_states.shape[1]
+        causal = attention_mask is None and length > 1
+        if causal and keys.shape[2] > length:  # as transformers' sdpa: a prefill into an empty static cache
+            keys, values = keys[:, :, :length], values[:, :, :length]
+        return self.lean.after_attention(hidden_states, queries, keys, values, attention_mask, causal)
+
+
+class LeanLlamaDecoderLayer(LeanDecoderLayer, LlamaDecoderLayer):
+    """A LlamaDecoderLayer on the lean forward."""
+
+
+class LeanMistralDecoderLayer(LeanDecoderLayer, MistralDecoderLayer):
+    """A MistralDecoderLayer on the lean forward."""
+
+
+class LeanQwen2DecoderLayer(LeanDecoderLayer, Qwen2DecoderLayer):
+    """A Qwen2DecoderLayer on the lean forward."""
+
+
+class LeanQwen3DecoderLayer(LeanDecoderLayer, Qwen3DecoderLayer):
+    """A Qwen3DecoderLayer on the lean forward."""
+
+
+LEAN_CLASSES: dict[type, type] = {
+    LlamaDecoderLayer: LeanLlamaDecoderLayer,
+    MistralDecoderLayer: LeanMistralDecoderLayer,
+    Qwen2DecoderLayer: LeanQwen2DecoderLayer,
+    Qwen3DecoderLayer: LeanQwen3DecoderLayer,
+}
+
+
+class LeanLlamaModel(nn.Module):
+    """A Llama's inner model without transformers' wrappers, for the calls generate() and the
+    decoder make (input ids, an optional mask, positions and cache); any other call goes to the
+    stock LlamaModel, whose modules are this one's. A masked step on the decoder's KV pool runs
+    all layers in one C++ call."""
+
+    def __init__(self, stock: LlamaModel, extension: ModuleType):
+        super().__init__()
+        self.config = stock.config
+        self.embed_tokens, self.layers, self.norm = stock.embed_tokens, stock.layers, stock.norm
+        self.rotary_emb = stock.rotary_emb
+        self.stack = extension.LeanStack([layer.lean for layer in stock.layers])
+        self.pool_step = extension.PoolStep
+        self._stock = (stock,)  # a tuple keeps it out of the module tree: its modules are ours
+
+    def get_decoder(self) -> nn.Module:
+        """As LlamaModel's: the decoder whose last hidden states the output layer reads."""
+        return self
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.embed_tokens
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        cache: Any = None,
+        inputs_embeds: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        **kwargs: Any,
+    ) -> BaseModelOutputWithPast:
+        if kwargs or input_ids is None or inputs_embeds is not None:
+            return self._stock[0](
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                cache=cache,
+                inputs_embeds=inputs_embeds,
+                use_cache=use_cache,
+                **kwargs,
+            )
+        hidden_states = self.embed_tokens(input_ids)
+        if use_cache and cache is None:
+            cache = DynamicCache(config=self.config)
+        if position_ids is None:
+            past = cache.get_seq_length() if cache is not None else 0
+            position_ids = (torch.arange(hidden_states.shape[1], device=hidden_states.device) + past)[None]
+        if attention_mask is not None and attention_mask.dim() == 4:
+            mask = attention_mask  # what create_causal_mask returns for a prepared mask, ~0.1 ms sooner
+        else:
+            mask = create_causal_mask(
+                config=self.config,
+                inputs_embeds=hidden_states,
+                attention_mask=attention_mask,
+                cache=cache,
+                position_ids=position_ids,
+            )
+        embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
+        if isinstance(cache, StepCache) and mask is not None:
+            pool = cache.pool
+            hidden_states = self.stack(
+                hidden_states, *embeddings, mask, pool.keys, pool.values, self._pool_step(cache.step)
+            )
+        else:
+            for layer in self.layers:
+                hidden_states = layer(
+                    hidden_states, attention_mask=mask, cache=cache, position_embeddings=embeddings
+                )
+        return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden_states), cache=cache)
+
+    def _pool_step(self, step: PoolStep) -> Any:
+        """The C++ twin of the step's PoolStep."""
+        return self.pool_step(step.start, step.slots, step.positions, step.read_length)
+
+
+def use_lean_layers(model: nn.Module, extension: ModuleType) -> bool:
+    """Turn every decoder layer of `model` (and a Llama's inner model) into its lean subclass if
+    that gives the same bits; say if it did."""
+    layers = [module for module in model.modules() if type(module) in LEAN_CLASSES]
+    if not layers or not all(_packed_as_expected(layer) for layer in layers):
+        return False
+    before = _probe(model)
+    originals = [type(layer) for layer in layers]
+    for layer in layers:
+        layer.lean = _lean_layer(layer, extension)
+        layer.__class__ = LEAN_CLASSES[type(layer)]  # the same module, its lean subclass
+    inner = getattr(model, "model", None)
+    if type(inner) is LlamaModel:  # others build per-layer-type (sliding) masks
+        model.model = LeanLlamaModel(inner, extension)
+    if all(torch.equal(a, b) for a, b in zip(_probe(model), before)):
+        return True
+    for layer, original in zip(layers, originals):
+        layer.__class__ = original
+        del layer.lean
+    if type(inner) is LlamaModel:
+        model.model = inner
+    return False
+
+
+def _packed_as_expected(layer: nn.Module) -> bool:
+    """q/k/v and gate/up fused into one packed product each, o/down packed alone, SiLU, RMSNorm."""
+    attn, mlp = layer.self_attn, layer.mlp
+    linears = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+    return (
+        all(isinstance(linear, PackedLinear) for linear in linears)
+        and attn.q_proj.weights is attn.k_proj.weights is attn.v_proj.weights
+        and mlp.gate_proj.weights is mlp.up_proj.weights
+        and type(mlp.act_fn).__name__ in ("SiLU", "SiLUActivation")
+        and hasattr(layer.input_layernorm, "variance_epsilon")
+        and hasattr(layer.post_attention_layernorm, "variance_epsilon")
+    )
+
+
+def _norm_weights(norm: nn.Module) -> tuple[torch.Tensor, float]:
+    return norm.weight, norm.variance_epsilon
+
+
+def _lean_layer(layer: nn.Module, extension: ModuleType) -> Any:
+    """The C++ layer over this layer's packed matrices and norms."""
+    attn, mlp = layer.self_attn, layer.mlp
+    return extension.LeanLayer(
+        attn.q_proj.weights.matrix,
+        attn.o_proj.weights.matrix,
+        mlp.gate_proj.weights.matrix,
+        mlp.down_proj.weights.matrix,
+        _norm_weights(layer.input_layernorm),
+        _norm_weights(layer.post_attention_layernorm),
+        _norm_weights(attn.q_norm) if hasattr(attn, "q_norm") else None,
+        _norm_weights(attn.k_norm) if hasattr(attn, "k_norm") else None,
+        attn.config.num_attention_heads,
+        attn.config.num_key_value_heads,
+        attn.head_dim,
+        mlp.gate_proj.out_features,
+        attn.scaling,
+    )
+
+
+def _probe(model: nn.Module) -> list[torch.Tensor]:
+    """Logits of a 3-token prefill, of a masked 2-token step after it (a root and its child) and
+    of a padded batch of two."""
+    embeddings = model.get_input_embeddings()
+    vocab, device = embeddings.num_embeddings, embeddings.weight.device
+    tokens = [t % vocab for t in (11, 12, 13, 14, 15)]
+    cache = DynamicCache(config=model.config)
+    mask = torch.zeros(1, 1, 2, 5, device=device)
+    mask[0, 0, 0, 4] = torch.finfo(mask.dtype).min
+    with torch.inference_mode():
+        prefill = model(input_ids=torch.tensor([tokens[:3]], device=device), cache=cache, use_cache=True)
+        step = model(
+            input_ids=torch.tensor([tokens[3:]], device=device),
+            attention_mask=mask,
+            position_ids=torch.tensor([[3, 4]], device=device),
+            cache=cache,
+            use_cache=True,
+        )
+        batch = model(
+            input_ids=torch.tensor([tokens, tokens[2:] + tokens[:2]], device=device),
+            attention_mask=torch.tensor([[1] * 5, [0, 0, 1, 1, 1]], device=device),
+        )
+    return [prefill.logits, step.logits, batch.logits]

@@ -1,0 +1,169 @@
+"""Load the causal LM that a server instance decodes with: an embedded model by name, or a local folder.
+
+Nothing is ever downloaded (HF_HUB_OFFLINE is set before transformers reads it). After loading,
+the optional fast CPU path (lookahead/cpu) is applied through its one entry point.
+"""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import importlib.util
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers reads it: never reach a model hub
+
+import torch  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+
+from ..config import LINEAR_KERNELS  # noqa: E402
+from .embedded import DEFAULT_MODEL, prepare_default_model  # noqa: E402
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DEVICE_PATTERN = re.compile(r"cpu|cuda(:\d+)?")
+NO_FAST_PATH = "the fast CPU path (lookahead/cpu) is not installed"
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    """A model ready for decoding and what identifies it.
+
+    fingerprint: short stable id of weights' config + tokenizer + name, stored in trie snapshots
+    so that a snapshot built with another model's token ids is refused.
+    linear_kernel / execution: the kernel the linear layers run on ("packed" or "stock") and a
+    line saying how the model runs (the variant, or why the stock layers are used).
+    cost_prior: the execution path's measured forward cost curve, for the decoder's planner.
+    """
+
+    model: Any
+    tokenizer: Any
+    name: str
+    fingerprint: str
+    eos_token_ids: tuple[int, ...]
+    linear_kernel: str = "stock"
+    execution: str = "stock linear layers"
+    cost_prior: dict[int, float] | None = None
+
+
+def resolve_model_path(name_or_path: str) -> Path:
+    """The folder to load for a model name (only the default is known) or a local path."""
+    if name_or_path == DEFAULT_MODEL:
+        return prepare_default_model()
+    path = Path(name_or_path).expanduser()
+    if not path.is_dir():
+        raise FileNotFoundError(
+            f"model {name_or_path!r} is neither {DEFAULT_MODEL!r} nor an existing local folder "
+            "(models are never downloaded: give a Hugging Face folder with config.json)"
+        )
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"model folder {path} has no config.json")
+    return path
+
+
+def load_model(
+    name_or_path: str = DEFAULT_MODEL,
+    *,
+    dtype: str = "float32",
+    device: str = "cpu",
+    threads: int | None = None,
+    linear_kernel: str = "auto",
+) -> LoadedModel:
+    """Load a causal LM and its tokenizer in eval mode; no network access.
+
+    linear_kernel: "packed" runs fp32 CPU linear layers on the fast CPU path's kernel (cheap
+    multi-token forwards), "auto" does so where it can run, "stock" keeps transformers' layers.
+    """
+    torch_dtype = _parse_dtype(dtype)
+    _check_device(device)
+    if linear_kernel not in LINEAR_KERNELS:
+        raise ValueError(f"linear_kernel must be one of {', '.join(LINEAR_KERNELS)}, not {linear_kernel!r}")
+    if threads is not None:
+        if threads < 1:
+            raise ValueError(f"threads must be >= 1, got {threads}")
+        torch.set_num_threads(threads)
+    path = resolve_model_path(name_or_path)
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, local_files_only=True)
+    model.to(device).eval()
+    kernel, execution, cost_prior = apply_execution_path(model, linear_kernel)
+    name = DEFAULT_MODEL if name_or_path == DEFAULT_MODEL else path.resolve().name
+    return LoadedModel(
+        model=model,
+        tokenizer=tokenizer,
+        name=name,
+        fingerprint=model_fingerprint(path, tokenizer, name),
+        eos_token_ids=eos_token_ids(model, tokenizer),
+        linear_kernel=kernel,
+        execution=execution,
+        cost_prior=cost_prior,
+    )
+
+
+def apply_execution_path(model: Any, linear_kernel: str) -> tuple[str, str, dict[int, float] | None]:
+    """Hand `model` to the fast CPU path where that package is installed.
+
+    Returns (linear kernel, a line saying how the model runs, the path's forward cost prior)."""
+    if importlib.util.find_spec("lookahead.cpu") is None:
+        if linear_kernel == "packed":
+            raise RuntimeError(f"linear_kernel packed: {NO_FAST_PATH}")
+        return "stock", f"stock linear layers ({NO_FAST_PATH})", None
+    from ..cpu import apply_fast_path
+
+    path = apply_fast_path(model, linear_kernel)
+    return path.linear_kernel, path.describe(), path.cost_prior
+
+
+def freeze_loaded_objects() -> None:
+    """Collect what loading left behind, then exempt every surviving object from future collections.
+
+    torch, transformers and a tokenizer leave ~375,000 objects that live as long as the process.
+    Each full collection of the cyclic garbage collector walks them all (170 ms on a 2-core
+    CPU), and it runs whenever allocations cross its threshold: in the middle of some request's
+    step. Call once, after loading, in a process that serves the model.
+    """
+    gc.collect()
+    gc.freeze()
+
+
+def _parse_dtype(dtype: str) -> torch.dtype:
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    return DTYPES[dtype]
+
+
+def _check_device(device: str) -> None:
+    if not _DEVICE_PATTERN.fullmatch(device):
+        raise ValueError(f"device must be cpu, cuda or cuda:N, got {device!r}")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} requested but CUDA is not available to this torch build")
+
+
+def model_fingerprint(folder: Path, tokenizer: Any, name: str) -> str:
+    """16 hex digits of sha256 over name, config.json, tokenizer.json (if any) and vocab size."""
+    digest = hashlib.sha256(name.encode())
+    digest.update((folder / "config.json").read_bytes())
+    tokenizer_file = folder / "tokenizer.json"
+    if tokenizer_file.is_file():
+        digest.update(tokenizer_file.read_bytes())
+    digest.update(str(len(tokenizer)).encode())
+    return digest.hexdigest()[:16]
+
+
+def eos_token_ids(model: Any, tokenizer: Any) -> tuple[int, ...]:
+    """Every id that ends a generation: generation_config's eos ids, then the tokenizer's."""
+    ids: list[int] = []
+    generation_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    for token_id in _as_list(generation_eos) + _as_list(tokenizer.eos_token_id):
+        if token_id not in ids:
+            ids.append(token_id)
+    return tuple(ids)
+
+
+def _as_list(value: int | list[int] | None) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, list | tuple) else [int(value)]

@@ -1,0 +1,225 @@
+"""Lookahead decoding: retrieve a draft tree, verify it in one forward, keep what the model agrees with.
+
+One `Generation` per request (generation.py) holds its token history, its sampler and its own
+trie (its prompt; its output too when there is no global trie). The decoder holds what requests
+share: the model, the KV pool, the global trie that learns from every generated token, and the
+online cost model that decides how much drafting pays. `decoder.step(generations)` advances any
+number of requests with one forward: each contributes its root token and its draft tree, padded
+to a common width.
+
+    gen = decoder.start(prompt_ids, SamplingParams(max_tokens=64))
+    while not gen.finished:
+        out = gen.step()          # accepted token ids and the new text of this step
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..algorithm.draft import Draft
+from ..algorithm.planner import Calibration, CostModel, plan_step
+from ..algorithm.trie import NGramTrie
+from ..algorithm.verify import verify
+from ..config import DecoderConfig, LookaheadConfig, SamplingParams, TrieConfig
+from .generation import Generation, GenerationStats, StepOutput
+from .kv_pool import KVPool, accepted_moves
+from .output_layer import plain_output_layer
+from .prefix_cache import PrefixCache
+from .step_inputs import decode_inputs
+
+if TYPE_CHECKING:
+    from ..models.loading import LoadedModel
+
+__all__ = ["Generation", "GenerationStats", "LookaheadDecoder", "StepOutput"]
+
+# The trie's probabilities overstate acceptance about threefold until calibrated (the shared
+# ratio settles at 0.3-0.4 on every benchmark set), so a cold decoder starts there.
+INITIAL_CALIBRATION = 0.35
+
+
+class LookaheadDecoder:
+    """Shared state of all requests served by one model instance (owned by one thread).
+
+    step_token_budget, max_speculative_batch, prefix_cache_tokens: see `DecoderConfig`.
+    cost_prior: the forward's relative cost by tokens fed on this execution path, which the cost
+    model starts from (`LoadedModel.cost_prior`); None: the device's default curve.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        trie: NGramTrie | None = None,
+        config: LookaheadConfig = LookaheadConfig(),
+        eos_token_ids: Sequence[int] = (),
+        *,
+        step_token_budget: int = DecoderConfig.step_token_budget,
+        max_speculative_batch: int = DecoderConfig.max_speculative_batch,
+        prefix_cache_tokens: int = DecoderConfig.prefix_cache_tokens,
+        cost_prior: Mapping[int, float] | None = None,
+    ):
+        DecoderConfig(step_token_budget, max_speculative_batch, prefix_cache_tokens)  # validates
+        self.model = model
+        self.tokenizer = tokenizer
+        self.trie = trie
+        self.config = config
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.step_token_budget = step_token_budget
+        self.max_speculative_batch = max_speculative_batch
+        # A request's own trie is as deep as the shared one; copies (spans.py) may draft deeper.
+        self.trie_depth = trie.max_depth if trie is not None else TrieConfig.depth
+        self.device = next(model.parameters()).device
+        self.dtype = model.dtype  # a property that walks every parameter: read once
+        self.pool = KVPool()
+        self.prefix_cache = PrefixCache(prefix_cache_tokens)
+        self.cost = CostModel.for_device(self.device.type, dict(cost_prior) if cost_prior else None)
+        # With a plain output layer, forwards run the decoder and the layer apart (fewer wrappers,
+        # and no logits for padding rows).
+        self.head_of_hidden = plain_output_layer(model)
+        self.inner = model.get_decoder() if self.head_of_hidden is not None else None
+        self.calibration = Calibration(INITIAL_CALIBRATION, INITIAL_CALIBRATION)
+
+    @classmethod
+    def for_model(
+        cls,
+        loaded: LoadedModel,
+        trie: NGramTrie | None = None,
+        config: LookaheadConfig = LookaheadConfig(),
+        settings: DecoderConfig = DecoderConfig(),
+    ) -> LookaheadDecoder:
+        """A decoder for a model from `load_model`, with its tokenizer, EOS ids and cost prior."""
+        return cls(
+            loaded.model,
+            loaded.tokenizer,
+            trie,
+            config,
+            loaded.eos_token_ids,
+            step_token_budget=settings.step_token_budget,
+            max_speculative_batch=settings.max_speculative_batch,
+            prefix_cache_tokens=settings.prefix_cache_tokens,
+            cost_prior=loaded.cost_prior,
+        )
+
+    def start(
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams = SamplingParams(),
+        lookahead: LookaheadConfig | None = None,
+    ) -> Generation:
+        if not prompt_ids:
+            raise ValueError("the prompt must contain at least one token")
+        return Generation(self, list(prompt_ids), params, lookahead or self.config)
+
+    def stream(
+        self, prompt_ids: Sequence[int], params: SamplingParams = SamplingParams(), **kwargs: Any
+    ) -> Iterator[StepOutput]:
+        gen = self.start(prompt_ids, params, **kwargs)
+        try:
+            while not gen.finished:
+                yield gen.step()
+        finally:
+            gen.close()
+
+    def generate(
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams = SamplingParams(),
+        lookahead: LookaheadConfig | None = None,
+    ) -> tuple[list[int], GenerationStats]:
+        """Run one request to completion: (output ids, stats)."""
+        gen = self.start(prompt_ids, params, lookahead)
+        while not gen.finished:
+            gen.step()
+        return gen.output_ids, gen.stats
+
+    @torch.inference_mode()
+    def step(self, generations: Sequence[Generation]) -> list[StepOutput]:
+        """Advance every generation by one step: prefill the new ones, decode the rest together."""
+        if any(gen.finished for gen in generations):
+            raise RuntimeError("step() called on a finished or closed generation")
+        # A prefill's draft pays only when the steps it saves are the request's own: in a batch
+        # above max_speculative_batch every step runs for the others anyway.
+        drafting = len(generations) <= self.max_speculative_batch
+        outputs = {id(gen): gen.prefill(drafting) for gen in generations if not gen.in_pool}
+        running = [gen for gen in generations if id(gen) not in outputs]
+        if running:
+            running = self.pool.arrange(running, max(len(gen.ids) - 1 for gen in running))
+            outputs.update(zip(map(id, running), self._decode(running)))
+        return [outputs[id(gen)] for gen in generations]
+
+    def _decode(self, gens: list[Generation]) -> list[StepOutput]:
+        """One forward for `gens`, which hold pool slots 0..k-1 in this order (see KVPool.arrange)."""
+        if len(gens) > self.max_speculative_batch:
+            drafts = [Draft.root_only(gen.ids[-1]) for gen in gens]
+        else:
+            # The step's budget caps every draft (see plan_step): build no node it would trim.
+            width = max(1, self.step_token_budget // len(gens))
+            drafts = [gen.retrieve(width) for gen in gens]
+        drafts = plan_step(
+            drafts,
+            [g.calibration for g in gens],
+            [g.config.adaptive for g in gens],
+            self.cost,
+            self.step_token_budget,
+        )
+        started = time.perf_counter()
+        lengths = [len(gen.ids) - 1 for gen in gens]
+        logits = self.forward_drafts(drafts, lengths)
+        verdicts = [
+            verify(draft, rows, gen.ids, gen.selector) for gen, draft, rows in zip(gens, drafts, logits)
+        ]
+        self.pool.compact(
+            [
+                move
+                for slot, (length, verdict) in enumerate(zip(lengths, verdicts))
+                for move in accepted_moves(slot, length, verdict.accepted_nodes)
+            ]
+        )
+        elapsed = time.perf_counter() - started
+        width = max(len(d) for d in drafts)
+        self.cost.observe(len(gens) * width, elapsed)
+        outputs = []
+        for gen, draft, verdict in zip(gens, drafts, verdicts):
+            gen.record_verdict(draft, verdict)
+            gen.stats.steps += 1
+            gen.stats.forward_seconds.append(elapsed)
+            outputs.append(gen.commit(verdict.tokens))
+        return outputs
+
+    def forward_drafts(self, drafts: list[Draft], lengths: list[int]) -> list[torch.Tensor]:
+        """Logits [len(drafts[i]), vocab] of pool slot i's draft, fed after its lengths[i] cached entries.
+
+        Writes the drafts' KV entries but commits nothing, so the same call can be repeated.
+        """
+        k, width = len(drafts), max(len(d) for d in drafts)
+        ids, positions, mask = decode_inputs(drafts, lengths, self.dtype)
+        inputs = {
+            "input_ids": ids.to(self.device),
+            "position_ids": positions.to(self.device),
+            "attention_mask": mask.to(self.device),
+            "cache": self.pool.step_cache(lengths, width),
+            "use_cache": True,
+        }
+        sizes = [len(d) for d in drafts]
+        if self.head_of_hidden is None:
+            logits = self.model(**inputs).logits
+            return [row[:n] for row, n in zip(logits, sizes)]
+        # The decoder's hidden states, then the output layer on the real rows only: padding rows'
+        # logits would never be read.
+        hidden = self.inner(**inputs).last_hidden_state
+        if sum(sizes) == k * width:
+            rows = hidden.reshape(k * width, hidden.shape[-1])
+        else:
+            rows = torch.cat([hidden[i, :n] for i, n in enumerate(sizes)])
+        return list(self.head_of_hidden(rows).split(sizes))
+
+    def last_logits(self, keep: int, **inputs: Any) -> torch.Tensor:
+        """Logits [keep, vocab] of the last `keep` positions of a one-row forward (a prefill)."""
+        if self.head_of_hidden is None:
+            return self.model(**inputs, logits_to_keep=keep).logits[0]
+        hidden = self.inner(**inputs).last_hidden_state
+        return self.head_of_hidden(hidden[0, -keep:])

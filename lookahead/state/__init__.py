@@ -1,0 +1,1 @@
+"""What outlives a server process: trie snapshots (persistence.py) and warm-up corpora (warmup.py)."""

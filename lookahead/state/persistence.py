@@ -1,0 +1,152 @@
+"""Trie snapshot files: versioned, checksummed, written atomically, never unpickled.
+
+Layout, little-endian:
+
+    MAGIC (8 bytes) | format version (u32) | header length (u32) | header (UTF-8 JSON)
+    | the trie.STORED columns of nodes 0..node_count, one after another | sha256 of all the above
+
+The header names the model/tokenizer identity (`fingerprint`), `max_depth`, `node_count` and the
+columns with their dtypes. Token ids mean nothing under another tokenizer, so a snapshot from
+another model is refused. A server must come up even when its snapshot is unusable, so loading
+never raises on a bad file: it logs why, naming the file, and starts with an empty trie.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import struct
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from ..algorithm.trie import STORED, NGramTrie
+
+MAGIC = b"LATRIE\r\n"  # the CR LF catches text-mode transfers
+FORMAT_VERSION = 1
+_PREAMBLE = struct.Struct("<II")  # format version, header length
+_DIGEST_BYTES = hashlib.sha256().digest_size
+
+logger = logging.getLogger("lookahead")
+
+
+class SnapshotError(ValueError):
+    """Why a snapshot file cannot be used."""
+
+
+def _disk_dtype(dtype: type) -> np.dtype:
+    return np.dtype(dtype).newbyteorder("<")
+
+
+def save_trie(trie: NGramTrie, path: str | os.PathLike[str], fingerprint: str) -> None:
+    """Write a snapshot of `trie` to `path`, replacing it atomically (a reader never sees half a file).
+
+    Raises OSError when the folder cannot be written.
+    """
+    path = Path(path)
+    columns = trie.to_columns()
+    header = {
+        "fingerprint": fingerprint,
+        "max_depth": trie.max_depth,
+        "node_count": trie.node_count,
+        "columns": [[name, _disk_dtype(dtype).str] for name, (_, dtype) in STORED.items()],
+    }
+    header_bytes = json.dumps(header, sort_keys=True).encode()
+    parts = [MAGIC, _PREAMBLE.pack(FORMAT_VERSION, len(header_bytes)), header_bytes]
+    parts += [columns[name].astype(_disk_dtype(dtype)).tobytes() for name, (_, dtype) in STORED.items()]
+    digest = hashlib.sha256()
+    for part in parts:
+        digest.update(part)
+    handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(handle, "wb") as file:
+            file.writelines(parts)
+            file.write(digest.digest())
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+    _fsync_folder(path.parent)
+
+
+def _fsync_folder(folder: Path) -> None:
+    """Make the rename itself durable (POSIX); a no-op where folders cannot be opened."""
+    try:
+        descriptor = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(descriptor)
+    except OSError:
+        pass
+    finally:
+        os.close(descriptor)
+
+
+def load_trie(path: str | os.PathLike[str], *, capacity: int, max_depth: int, fingerprint: str) -> NGramTrie:
+    """The trie saved at `path`, evicted down to `capacity` if needed; an empty trie when the file
+    is missing (logged at info) or unusable (logged as an error with the reason)."""
+    path = Path(path)
+    empty = NGramTrie(capacity=capacity, max_depth=max_depth)  # raises on a bad configuration, not a bad file
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        logger.info("No trie snapshot at %s; starting with an empty trie", path)
+        return empty
+    except OSError as error:
+        logger.error("Cannot read trie snapshot %s: %s; starting with an empty trie", path, error)
+        return empty
+    try:
+        trie = _decode(data, capacity=capacity, max_depth=max_depth, fingerprint=fingerprint)
+    except SnapshotError as error:
+        logger.error("Ignoring trie snapshot %s: %s; starting with an empty trie", path, error)
+        return empty
+    logger.info("Loaded trie snapshot %s: %d nodes (capacity %d)", path, trie.node_count, capacity)
+    return trie
+
+
+def _decode(data: bytes, *, capacity: int, max_depth: int, fingerprint: str) -> NGramTrie:
+    start = len(MAGIC) + _PREAMBLE.size
+    if data[: len(MAGIC)] != MAGIC:
+        raise SnapshotError("not a trie snapshot (bad magic bytes)")
+    if len(data) < start:
+        raise SnapshotError(f"truncated file: {len(data)} bytes")
+    version, header_length = _PREAMBLE.unpack_from(data, len(MAGIC))
+    if version != FORMAT_VERSION:
+        raise SnapshotError(
+            f"unsupported format version {version} (this build reads version {FORMAT_VERSION})"
+        )
+    try:
+        header = json.loads(data[start : start + header_length])
+        node_count = int(header["node_count"])
+        column_bytes = [(node_count + 1) * _disk_dtype(dtype).itemsize for _, dtype in STORED.values()]
+    except (ValueError, KeyError, TypeError) as error:
+        raise SnapshotError(f"unreadable header ({error})") from None
+    expected = start + header_length + sum(column_bytes) + _DIGEST_BYTES
+    if len(data) != expected:
+        raise SnapshotError(f"truncated or padded file: {len(data)} bytes, expected {expected}")
+    if hashlib.sha256(data[:-_DIGEST_BYTES]).digest() != data[-_DIGEST_BYTES:]:
+        raise SnapshotError("checksum mismatch (the file is corrupt)")
+    if header.get("fingerprint") != fingerprint:
+        raise SnapshotError(
+            f"fingerprint {header.get('fingerprint')!r} does not match {fingerprint!r} "
+            "(saved for another model or tokenizer)"
+        )
+    if header.get("max_depth") != max_depth:
+        raise SnapshotError(f"max_depth {header.get('max_depth')} does not match the configured {max_depth}")
+    expected_columns = [[name, _disk_dtype(dtype).str] for name, (_, dtype) in STORED.items()]
+    if header.get("columns") != expected_columns:
+        raise SnapshotError(f"columns {header.get('columns')} differ from {expected_columns}")
+    columns, offset = {}, start + header_length
+    for (name, (_, dtype)), size in zip(STORED.items(), column_bytes, strict=True):
+        columns[name] = np.frombuffer(data, dtype=_disk_dtype(dtype), count=node_count + 1, offset=offset)
+        offset += size
+    try:
+        return NGramTrie.from_columns(columns, capacity=capacity, max_depth=max_depth)
+    except ValueError as error:
+        raise SnapshotError(f"inconsistent trie ({error})") from None

@@ -1,0 +1,187 @@
+"""What several test modules share: tiny random-weight models, reference decoding, toy tokenizers."""
+
+from __future__ import annotations
+
+import queue
+import random
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from transformers import CONFIG_MAPPING, AutoModelForCausalLM, DynamicCache
+
+from lookahead.cpu.extension import VARIANTS, runnable_variants, why_no_variant
+from lookahead.models.loading import apply_execution_path
+
+TINY_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "gemma")
+
+_TINY_CONFIG = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=512,
+)
+
+# Both linear kernels, for tests that must hold on each execution path.
+LINEAR_KERNELS = (
+    "stock",
+    pytest.param("packed", marks=pytest.mark.skipif(not runnable_variants(), reason=why_no_variant())),
+)
+
+# Every variant of the fast CPU path; one this CPU cannot run is skipped with the reason.
+CPU_VARIANTS = tuple(
+    pytest.param(
+        variant,
+        id=variant.name,
+        marks=pytest.mark.skipif(
+            variant not in runnable_variants(), reason=f"this CPU cannot run the {variant.name} variant"
+        ),
+    )
+    for variant in VARIANTS
+)
+
+
+def build_tiny_model(
+    architecture: str = "llama", linear_kernel: str = "stock", **config_overrides: Any
+) -> Any:
+    """A float32 model in eval mode whose weights depend only on the architecture and config, set
+    up as load_model sets up a real one."""
+    if architecture not in TINY_ARCHITECTURES:
+        raise ValueError(f"architecture must be one of {', '.join(TINY_ARCHITECTURES)}, got {architecture!r}")
+    config = CONFIG_MAPPING[architecture](**{**_TINY_CONFIG, **config_overrides})
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    apply_execution_path(model, linear_kernel)
+    return model
+
+
+def plain_greedy(model: Any, prompt: list[int], max_tokens: int) -> list[int]:
+    """transformers' own greedy generate(): the reference every lossless test compares with."""
+    ids = torch.tensor([prompt])
+    out = model.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, do_sample=False, pad_token_id=0
+    )
+    return out[0, len(prompt) :].tolist()
+
+
+def repetitive_prompt(rng: random.Random, vocab: int) -> list[int]:
+    """Random prompt with a repeated span, so the prompt itself yields drafts."""
+    span = [rng.randrange(vocab) for _ in range(rng.randint(3, 8))]
+    noise = [rng.randrange(vocab) for _ in range(rng.randint(1, 6))]
+    return span + noise + span + noise[:2]
+
+
+def tree_logits(model: Any, prefix: list[int], tree: list[int], parents: list[int]) -> torch.Tensor:
+    """Logits of a draft tree fed after a cached prefix, with an ancestor mask, as the decoder feeds it."""
+    cache = DynamicCache(config=model.config)
+    model(input_ids=torch.tensor([prefix]), cache=cache, use_cache=True)
+    n, past = len(tree), len(prefix)
+    visible = torch.zeros(n, past + n, dtype=torch.bool)
+    visible[:, :past] = True
+    depth = [0] * n
+    for node, parent in enumerate(parents):
+        if parent >= 0:
+            visible[node] = visible[parent]
+            depth[node] = depth[parent] + 1
+        visible[node, past + node] = True
+    mask = torch.zeros(visible.shape).masked_fill(~visible, torch.finfo(torch.float32).min)
+    return model(
+        input_ids=torch.tensor([tree]),
+        attention_mask=mask[None, None],
+        position_ids=torch.tensor([[past + d for d in depth]]),
+        cache=cache,
+        use_cache=True,
+    ).logits[0]
+
+
+class ByteTokenizer:
+    """Token id = one byte (vocab 256), so multi-byte UTF-8 characters span several tokens."""
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return bytes(ids).decode("utf-8", errors="replace")
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+
+# A toy decoupled Python model for the launcher tests.
+TOY_CONFIG = """
+name: "toy"
+backend: "python"
+max_batch_size: 0
+model_transaction_policy { decoupled: true }
+input [ { name: "text" data_type: TYPE_STRING dims: [ 1 ] } ]
+output [ { name: "text_output" data_type: TYPE_STRING dims: [ 1 ] } ]
+instance_group [ { kind: KIND_CPU count: 1 } ]
+parameters { key: "finalize_marker" value: { string_value: "%s" } }
+"""
+
+# Streams three responses per request. Importing numpy and backend.launcher checks that the stub
+# sees this virtual environment and the repository root; finalize() leaves a marker on disk.
+TOY_MODEL = """
+import json
+from pathlib import Path
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from backend.launcher import REPO_ROOT
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        parameters = json.loads(args["model_config"])["parameters"]
+        self.marker = Path(parameters["finalize_marker"]["string_value"])
+        %s
+
+    def execute(self, requests):
+        for request in requests:
+            text = pb_utils.get_input_tensor_by_name(request, "text").as_numpy()[0].decode()
+            sender = request.get_response_sender()
+            for part in (text, "from", str(REPO_ROOT)):
+                output = pb_utils.Tensor("text_output", np.array([part.encode()], dtype=np.object_))
+                sender.send(pb_utils.InferenceResponse(output_tensors=[output]))
+            sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        return None
+
+    def finalize(self):
+        self.marker.write_text("finalized")
+"""
+
+
+def write_toy_repository(root: Path, marker: Path, initialize_extra: str = "pass") -> Path:
+    model_dir = root / "models" / "toy"
+    (model_dir / "1").mkdir(parents=True)
+    (model_dir / "config.pbtxt").write_text(TOY_CONFIG % marker)
+    (model_dir / "1" / "model.py").write_text(TOY_MODEL % initialize_extra)
+    return root / "models"
+
+
+def stream_once(grpc_url: str, text: str) -> list[str]:
+    """Send one request on a gRPC stream and collect every response until the final flag."""
+    import tritonclient.grpc as grpcclient
+
+    responses: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(grpc_url)
+    client.start_stream(callback=lambda result, error: responses.put((result, error)))
+    text_input = grpcclient.InferInput("text", [1], "BYTES")
+    text_input.set_data_from_numpy(np.array([text.encode()], dtype=np.object_))
+    client.async_stream_infer("toy", [text_input], enable_empty_final_response=True)
+    parts: list[str] = []
+    while True:
+        result, error = responses.get(timeout=30)
+        assert error is None, error
+        output = result.as_numpy("text_output")
+        if output is not None:
+            parts.append(output[0].decode())
+        if result.get_response().parameters["triton_final_response"].bool_param:
+            break
+    client.stop_stream()
+    client.close()
+    return parts

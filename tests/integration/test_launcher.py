@@ -1,0 +1,31 @@
+"""The launcher against a real tritonserver serving a toy decoupled model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from backend import launcher
+from backend.launcher import TritonServerError, free_port, start_server
+from tests.helpers import stream_once, write_toy_repository
+
+
+def test_server_streams_from_a_decoupled_model_and_finalizes_on_stop(tmp_path: Path) -> None:
+    marker = tmp_path / "finalized"
+    repository = write_toy_repository(tmp_path, marker)
+    ports = {"http_port": free_port(), "grpc_port": free_port(), "metrics_port": free_port()}
+    with start_server(repository, log_file=tmp_path / "server.log", ready_timeout_s=120, **ports) as server:
+        assert server.is_ready()
+        assert stream_once(server.grpc_url, "hello") == ["hello", "from", str(launcher.REPO_ROOT)]
+        assert not marker.exists()
+    assert server.process.returncode == 0
+    assert marker.read_text() == "finalized"
+    assert not server.is_ready()
+
+
+def test_a_model_that_fails_to_load_is_reported_with_the_log_tail(tmp_path: Path) -> None:
+    repository = write_toy_repository(tmp_path, tmp_path / "marker", 'raise ValueError("toy failure")')
+    ports = {"http_port": free_port(), "grpc_port": free_port(), "metrics_port": free_port()}
+    with pytest.raises(TritonServerError, match=r"(?s)exited with code \d+ before it was ready.*toy failure"):
+        start_server(repository, log_file=tmp_path / "server.log", ready_timeout_s=120, **ports)

@@ -1,0 +1,136 @@
+"""The draft-or-not decision: expected tokens per unit of forward cost."""
+
+from __future__ import annotations
+
+from lookahead.algorithm.draft import Draft
+from lookahead.algorithm.planner import (
+    GPU_PRIOR,
+    MIN_CALIBRATION,
+    STOCK_CPU_PRIOR,
+    Calibration,
+    CostModel,
+    plan_step,
+)
+from lookahead.cpu.cost_priors import PRIORS
+from lookahead.cpu.extension import runnable_variants
+from lookahead.models.loading import apply_execution_path
+from lookahead.runtime.decoder import LookaheadDecoder
+
+
+def choose_draft(draft: Draft, cost: CostModel, calibration: Calibration) -> Draft:
+    """The plan for a batch of one request with a generous token budget."""
+    return plan_step([draft], [calibration], [True], cost, token_budget=64)[0]
+
+
+def chain(probs: list[float]) -> Draft:
+    n = len(probs) + 1
+    return Draft(list(range(n)), [-1, *range(n - 1)], [1.0, *probs])
+
+
+def test_weak_draft_is_dropped_on_cpu_but_kept_on_gpu() -> None:
+    weak = chain([0.04, 0.02])  # 1.04 expected tokens for the 1.06x cost of 2 tokens on a CPU
+    assert len(choose_draft(weak, CostModel(STOCK_CPU_PRIOR), Calibration())) == 1
+    assert len(choose_draft(weak, CostModel(GPU_PRIOR), Calibration())) == 3
+
+
+def test_confident_draft_is_kept_and_its_unlikely_tail_trimmed() -> None:
+    draft = Draft([9, 1, 2, 3, 4], [-1, 0, 1, 2, 0], [1.0, 0.95, 0.9, 0.85, 0.001])
+    chosen = choose_draft(draft, CostModel(STOCK_CPU_PRIOR), Calibration())
+    assert chosen.tokens == [9, 1, 2, 3]
+    assert chosen.parents == [-1, 0, 1, 2]
+
+
+def test_measured_costs_replace_the_prior() -> None:
+    cost = CostModel(STOCK_CPU_PRIOR)
+    for _ in range(3):
+        cost.observe(1, 0.10)
+        cost.observe(4, 0.11)
+    assert abs(cost.relative(4) - 1.1) < 1e-9
+    assert abs(cost.relative(3) - (STOCK_CPU_PRIOR[2] + 1.1) / 2) < 1e-9  # halfway between the points 2 and 4
+    prior_only = choose_draft(chain([0.4, 0.2]), CostModel(STOCK_CPU_PRIOR), Calibration())
+    assert len(prior_only) == 2  # the prior says 3 tokens cost 1.5x
+    assert len(choose_draft(chain([0.4, 0.2]), cost, Calibration())) == 3
+
+
+def test_one_stalled_forward_does_not_reprice_a_width() -> None:
+    cost = CostModel(STOCK_CPU_PRIOR)
+    for _ in range(5):
+        cost.observe(1, 0.10)
+        cost.observe(8, 0.20)
+    cost.observe(8, 2.0)  # the OS took the cores for most of this step
+    assert abs(cost.relative(8) - 2.0) < 1e-9
+    for _ in range(5):  # a lasting change is followed within half the window
+        cost.observe(8, 0.30)
+    assert abs(cost.relative(8) - 3.0) < 1e-9
+
+
+def test_a_width_between_two_points_is_charged_for_itself() -> None:
+    cost = CostModel({1: 1.0, 2: 1.02, 4: 1.17, 8: 1.46, 16: 2.08, 32: 3.23, 64: 5.44, 128: 10.0})
+    for _ in range(3):
+        cost.observe(1, 0.10)
+        cost.observe(20, 0.20)  # credited to the point 16, scaled by the prior's slope
+    # ~ the observed 0.20 / 0.10 (interpolation runs on to the prior's 32); credited unscaled to 16 it
+    # would read 2.31, charged as 32 3.23
+    assert abs(cost.relative(20) - 2.0) < 0.15
+    assert cost.relative(16) < cost.relative(20) < cost.relative(24) < cost.relative(32)
+    assert cost.relative(256) == 2 * cost.relative(128)  # past the table: in proportion to the tokens
+
+
+def test_calibration_learns_that_the_trie_is_overconfident() -> None:
+    calibration = Calibration()
+    confident = chain([0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2])
+    assert len(choose_draft(confident, CostModel(STOCK_CPU_PRIOR), calibration)) == 9
+    for _ in range(50):
+        calibration.observe(confident, accepted_nodes=[])
+    assert calibration.ratio == MIN_CALIBRATION
+    # Still a one-token draft, so that the request goes on learning whether drafts pay again.
+    assert len(choose_draft(confident, CostModel(STOCK_CPU_PRIOR), calibration)) == 2
+    calibration.observe(confident, accepted_nodes=[1])
+    assert calibration.ratio > MIN_CALIBRATION
+
+
+def test_side_branches_are_calibrated_apart_from_the_first() -> None:
+    # root -> 1 -> 2 -> 3 is the first branch; 4 (under 1) and 5 (under the root) are side nodes.
+    tree = Draft([9, 1, 2, 3, 4, 5], [-1, 0, 1, 2, 1, 0], [1.0, 0.9, 0.8, 0.7, 0.6, 0.5])
+    assert tree.first_branch() == 3 and chain([0.5] * 4).first_branch() == 4
+    calibration = Calibration()
+    for _ in range(50):  # the model always follows the first branch
+        calibration.observe(tree, accepted_nodes=[1, 2, 3])
+    assert calibration.ratio == 1.0 and calibration.side_ratio == MIN_CALIBRATION
+    weights = calibration.calibrated(tree)
+    assert weights[:4] == tree.probs[:4] and weights[4:] == [0.6 * MIN_CALIBRATION, 0.5 * MIN_CALIBRATION]
+    assert choose_draft(tree, CostModel(STOCK_CPU_PRIOR), calibration).tokens == [9, 1, 2, 3]
+    assert choose_draft(tree, CostModel(STOCK_CPU_PRIOR), Calibration()).tokens == tree.tokens
+    # a side node is never weighted above its parent, so every plan stays a connected subtree
+    assert Calibration(ratio=0.2, side_ratio=1.0).calibrated(tree)[4] == 0.2 * 0.9
+
+
+def test_batch_shares_one_width_and_the_budget() -> None:
+    strong, weak = chain([0.95] * 6), chain([0.05] * 6)
+    plan = plan_step([strong, weak], [Calibration()] * 2, [True] * 2, CostModel(GPU_PRIOR), token_budget=8)
+    assert [len(d) for d in plan] == [4, 4]  # 8 tokens for 2 requests: width 4 each
+    plan = plan_step(
+        [strong] * 4, [Calibration()] * 4, [True] * 4, CostModel(STOCK_CPU_PRIOR), token_budget=4
+    )
+    assert [len(d) for d in plan] == [1] * 4  # budget of one token per request: plain decoding
+
+
+def test_a_request_that_opted_out_of_adaptivity_keeps_its_draft() -> None:
+    weak = chain([0.01] * 3)
+    plan = plan_step(
+        [weak, chain([0.01])], [Calibration()] * 2, [False, True], CostModel(STOCK_CPU_PRIOR), token_budget=64
+    )
+    assert len(plan[0]) == 4
+
+
+def test_the_cost_prior_follows_the_device_and_the_execution_path(tiny_model, byte_tokenizer) -> None:
+    assert CostModel.for_device("cuda").prior == GPU_PRIOR
+    assert CostModel.for_device("cpu").prior == STOCK_CPU_PRIOR
+    assert CostModel.for_device("cpu", {1: 1.0, 2: 3.0}).prior == {1: 1.0, 2: 3.0}
+    assert LookaheadDecoder(tiny_model("llama"), byte_tokenizer).cost.prior == STOCK_CPU_PRIOR
+    best = runnable_variants()[:1]
+    for variant in best:  # "packed" takes the best variant this CPU runs
+        model = tiny_model("llama")
+        kernel, _, prior = apply_execution_path(model, "packed")
+        assert (kernel, prior) == ("packed", PRIORS[variant.name])
+        assert LookaheadDecoder(model, byte_tokenizer, cost_prior=prior).cost.prior == PRIORS[variant.name]

@@ -1,0 +1,557 @@
+"""Request tensors -> GenerationRequest, and a request's path through the engine, without Triton."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+
+from backend.engine import SHUTDOWN_MESSAGE, Engine, FailureCode, RequestState, TrieSnapshots, Update
+from backend.request import (
+    STREAMING_ECHO_ERROR,
+    DictInputs,
+    GenerationRequest,
+    RequestError,
+    RequestLimits,
+    parse_request,
+)
+from lookahead.algorithm.trie import NGramTrie
+from lookahead.config import LookaheadConfig, SamplingParams
+from lookahead.runtime.decoder import GenerationStats, StepOutput
+from lookahead.state.persistence import load_trie
+
+LIMITS = RequestLimits(
+    LookaheadConfig(decoding_length=16, branch_length=8), max_prompt_tokens=20, max_output_tokens=64
+)
+
+
+def tokenize(text: str) -> list[int]:
+    """One token per character: enough to test lengths without a real tokenizer."""
+    return [ord(c) for c in text]
+
+
+def strings(*values: str) -> np.ndarray:
+    return np.array([v.encode() for v in values], dtype=np.object_)
+
+
+def flag(value: bool) -> np.ndarray:
+    return np.array([value], dtype=bool)
+
+
+def parse(params: dict[str, Any] | None = None, limits: RequestLimits = LIMITS, **tensors: np.ndarray):
+    tensors.setdefault("text_input", strings("Hello"))
+    return parse_request(DictInputs(tensors, params), limits, tokenize)
+
+
+def sampling(options: dict[str, Any]) -> np.ndarray:
+    return strings(json.dumps(options))
+
+
+# Parsing
+
+
+def test_a_bare_prompt_gets_vllm_defaults():
+    request = parse()
+    assert request.prompt == "Hello"
+    assert request.prompt_ids == tuple(tokenize("Hello"))
+    assert request.sampling == SamplingParams(max_tokens=64)  # min(library default 128, max_output_tokens)
+    assert request.lookahead == LIMITS.lookahead
+    assert (request.stream, request.prepend_input) == (False, True)
+    assert not (
+        request.return_finish_reason or request.return_num_input_tokens or request.return_perf_metrics
+    )
+
+
+def test_sampling_parameters_accept_strings_and_ignore_unknown_keys():
+    options = {
+        "max_tokens": "8",
+        "min_tokens": 2,
+        "temperature": "0.5",
+        "top_k": "5",
+        "top_p": 0.9,
+        "repetition_penalty": "1.1",
+        "seed": "3",
+        "stop": "\n\n",
+        "ignore_eos": "true",
+        "lora_name": "ignored",
+        "n": 1,
+        "logprobs": None,
+    }
+    request = parse(sampling_parameters=sampling(options))
+    assert request.sampling == SamplingParams(
+        max_tokens=8,
+        min_tokens=2,
+        temperature=0.5,
+        top_k=5,
+        top_p=0.9,
+        repetition_penalty=1.1,
+        seed=3,
+        stop=("\n\n",),
+        ignore_eos=True,
+    )
+
+
+def test_stop_may_be_a_list_and_null_means_unset():
+    request = parse(sampling_parameters=sampling({"stop": ["a", "b"], "seed": None, "max_tokens": 4.0}))
+    assert request.sampling.stop == ("a", "b")
+    assert request.sampling.seed is None
+    assert request.sampling.max_tokens == 4
+
+
+def test_request_parameters_are_used_when_the_tensor_is_absent():
+    assert parse({"max_tokens": 7, "temperature": 0}).sampling.max_tokens == 7
+    tensor_wins = parse({"max_tokens": 7}, sampling_parameters=sampling({"max_tokens": 9}))
+    assert tensor_wins.sampling.max_tokens == 9
+
+
+def test_lookahead_overrides_are_capped_by_the_instance():
+    request = parse(
+        sampling_parameters=sampling(
+            {"decoding_length": "8", "branch_length": 4, "decoding_mode": "one", "use_lookahead": "false"}
+        )
+    )
+    assert request.lookahead == LookaheadConfig(
+        use_lookahead=False, decoding_length=8, branch_length=4, decoding_mode="one"
+    )
+
+
+@pytest.mark.parametrize(
+    ("stream", "exclude", "prepend"),
+    [(None, None, True), (False, None, True), (None, True, False), (True, None, False), (True, True, False)],
+)
+def test_the_prompt_is_echoed_only_when_not_streaming(stream, exclude, prepend):
+    tensors = {}
+    if stream is not None:
+        tensors["stream"] = flag(stream)
+    if exclude is not None:
+        tensors["exclude_input_in_output"] = flag(exclude)
+    request = parse(**tensors)
+    assert request.stream is bool(stream)
+    assert request.prepend_input is prepend
+
+
+def test_return_flags():
+    request = parse(
+        return_finish_reason=flag(True),
+        return_num_input_tokens=flag(True),
+        return_num_output_tokens=flag(False),
+        return_perf_metrics=flag(True),
+    )
+    assert (request.return_finish_reason, request.return_num_input_tokens) == (True, True)
+    assert (request.return_num_output_tokens, request.return_perf_metrics) == (False, True)
+
+
+@pytest.mark.parametrize(
+    ("tensors", "params", "message"),
+    [
+        ({"text_input": None}, None, "text_input is required"),
+        ({"text_input": strings("a", "b")}, None, "text_input must hold exactly one element, got shape [2]"),
+        (
+            {"text_input": np.array([3], dtype=np.int32)},
+            None,
+            "text_input must be a STRING (BYTES) tensor, got int32",
+        ),
+        ({"text_input": np.array([b"\xff"], dtype=np.object_)}, None, "text_input is not valid UTF-8"),
+        ({"text_input": strings("")}, None, "text_input is empty"),
+        (
+            {"text_input": strings("x" * 21)},
+            None,
+            "text_input has 21 tokens, more than max_prompt_tokens (20)",
+        ),
+        ({"stream": np.array([1], dtype=np.int32)}, None, "stream must be a BOOL tensor, got int32"),
+        ({"stream": flag(True), "exclude_input_in_output": flag(False)}, None, STREAMING_ECHO_ERROR),
+        ({"sampling_parameters": strings("{max_tokens: 3")}, None, "sampling_parameters is not valid JSON"),
+        (
+            {"sampling_parameters": strings("[1]")},
+            None,
+            "sampling_parameters must be a JSON object, got list",
+        ),
+        (
+            {"sampling_parameters": sampling({"max_tokens": 65})},
+            None,
+            "max_tokens must be <= 64 on this model, got 65",
+        ),
+        ({"sampling_parameters": sampling({"max_tokens": 0})}, None, "max_tokens must be >= 1, got 0"),
+        (
+            {"sampling_parameters": sampling({"max_tokens": "lots"})},
+            None,
+            "max_tokens must be an integer, got 'lots'",
+        ),
+        (
+            {"sampling_parameters": sampling({"max_tokens": True})},
+            None,
+            "max_tokens must be an integer, got True",
+        ),
+        ({"sampling_parameters": sampling({"temperature": -1})}, None, "temperature must be >= 0, got -1.0"),
+        ({"sampling_parameters": sampling({"top_p": "0"})}, None, "top_p must be in (0, 1], got 0.0"),
+        ({"sampling_parameters": sampling({"top_k": "x"})}, None, "top_k must be an integer, got 'x'"),
+        (
+            {"sampling_parameters": sampling({"stop": 3})},
+            None,
+            "stop must be a string or a list of strings, got 3",
+        ),
+        ({"sampling_parameters": sampling({"ignore_eos": "yes"})}, None, "ignore_eos must be true or false"),
+        ({"sampling_parameters": sampling({"decoding_length": 17})}, None, "decoding_length must be <= 16"),
+        ({"sampling_parameters": sampling({"branch_length": 9})}, None, "branch_length must be <= 8"),
+        (
+            {"sampling_parameters": sampling({"decoding_mode": "beam"})},
+            None,
+            "decoding_mode must be one of hier",
+        ),
+        (
+            {"sampling_parameters": sampling({"decoding_mode": 1})},
+            None,
+            "decoding_mode must be a string, got 1",
+        ),
+        ({}, {"max_tokens": "-3"}, "max_tokens must be >= 1, got -3"),
+    ],
+)
+def test_problems_are_named(tensors, params, message):
+    tensors = {"text_input": strings("Hello"), **tensors}
+    tensors = {name: value for name, value in tensors.items() if value is not None}
+    with pytest.raises(RequestError) as raised:
+        parse_request(DictInputs(tensors, params), LIMITS, tokenize)
+    assert message in str(raised.value)
+
+
+def test_lookahead_cannot_be_enabled_on_a_model_serving_without_it():
+    baseline = RequestLimits(LookaheadConfig(use_lookahead=False), max_prompt_tokens=20, max_output_tokens=64)
+    with pytest.raises(RequestError, match="use_lookahead cannot be enabled"):
+        parse(limits=baseline, sampling_parameters=sampling({"use_lookahead": True}))
+    assert (
+        parse(limits=baseline, sampling_parameters=sampling({"use_lookahead": False})).lookahead.use_lookahead
+        is False
+    )
+
+
+# The engine thread, with a scripted decoder
+
+
+class ScriptedGeneration:
+    """Emits one scripted StepOutput per step; records when it was closed."""
+
+    def __init__(
+        self, steps: list[StepOutput], prompt_tokens: int, log: list[str], name: str, gate: threading.Event
+    ):
+        self.steps = list(steps)
+        self.gate = gate
+        self.stats = GenerationStats(prompt_tokens=prompt_tokens)
+        self.finished = False
+        self.closed = False
+        self.in_pool = False  # like Generation: true once its first step (the prefill) ran
+        self.log, self.name = log, name
+
+    def step(self) -> StepOutput:
+        assert self.gate.wait(5)
+        if isinstance(self.steps[0], Exception):  # a broken request fails every time it is stepped
+            raise self.steps[0]
+        output = self.steps.pop(0)
+        self.in_pool = True
+        self.log.append(self.name)
+        self.stats.steps += 1
+        self.stats.output_tokens += len(output.token_ids)
+        self.stats.draft_tokens += 2
+        self.stats.accepted_draft_tokens += len(output.token_ids) - 1
+        self.finished = output.finish_reason is not None
+        return output
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class ScriptedDecoder:
+    """start() hands out the script registered for the prompt's first character."""
+
+    trie = None
+
+    def __init__(self, scripts: dict[str, list[StepOutput]]):
+        self.scripts = scripts
+        self.order: list[str] = []
+        self.batches: list[list[str]] = []  # the generations of each step() call
+        self.generations: dict[str, ScriptedGeneration] = {}
+        self.gate = threading.Event()  # steps wait for it; open unless a test closes it
+        self.gate.set()
+
+    def start(self, prompt_ids, params, lookahead=None) -> ScriptedGeneration:
+        name = chr(prompt_ids[0])
+        self.generations[name] = ScriptedGeneration(
+            self.scripts[name], len(prompt_ids), self.order, name, self.gate
+        )
+        return self.generations[name]
+
+    def step(self, generations: list[ScriptedGeneration]) -> list[StepOutput]:
+        """Like LookaheadDecoder.step: every generation advances by one step, in the given order."""
+        self.batches.append([generation.name for generation in generations])
+        return [generation.step() for generation in generations]
+
+
+class Recorder:
+    """Collects updates and log lines; on_step lets a test act between two steps."""
+
+    def __init__(self):
+        self.updates: list[Update] = []
+        self.info: list[str] = []
+        self.errors: list[str] = []
+        self.finals = threading.Semaphore(0)
+
+    def emit(self, update: Update) -> None:
+        self.updates.append(update)
+        if update.final:
+            self.finals.release()
+
+    def log_info(self, message: str) -> None:
+        self.info.append(message)
+
+    log_warn = log_info
+
+    def log_error(self, message: str) -> None:
+        self.errors.append(message)
+
+    def wait_finals(self, count: int) -> None:
+        for _ in range(count):
+            assert self.finals.acquire(timeout=10), "the engine did not finish a request"
+
+    def of(self, state: RequestState) -> list[Update]:
+        return [u for u in self.updates if u.state is state]
+
+
+def steps(*texts: str, reason: str = "length") -> list[StepOutput]:
+    """One step per text, each holding len(text) or 1 tokens; the last one finishes."""
+    return [
+        StepOutput(list(range(max(1, len(t)))), t, reason if i == len(texts) - 1 else None)
+        for i, t in enumerate(texts)
+    ]
+
+
+def submit(engine: Engine, prompt: str, **request: Any) -> RequestState:
+    state = RequestState(id=f"req-{prompt}", sender=None)
+    state.request = GenerationRequest(
+        prompt=prompt,
+        prompt_ids=tuple(tokenize(prompt)),
+        sampling=SamplingParams(max_tokens=8),
+        lookahead=LookaheadConfig(),
+        **request,
+    )
+    engine.submit(state)
+    return state
+
+
+def run_engine(scripts: dict[str, list[StepOutput]]) -> tuple[Engine, ScriptedDecoder, Recorder]:
+    decoder, recorder = ScriptedDecoder(scripts), Recorder()
+    return Engine(decoder, recorder.emit, recorder), decoder, recorder
+
+
+def test_streaming_sends_text_deltas_with_final_on_the_last_one():
+    engine, decoder, recorder = run_engine({"a": steps("Hel", "", "lo", " world", reason="stop")})
+    state = submit(engine, "a", stream=True, prepend_input=False)
+    engine.start()
+    recorder.wait_finals(1)
+    engine.stop()
+    updates = recorder.of(state)
+    assert [(u.text, u.num_output_tokens, u.final) for u in updates] == [
+        ("Hel", 3, False),
+        ("lo", 3, False),  # the step without text is reported with the next one
+        (" world", 6, True),
+    ]
+    assert updates[-1].finish_reason == "stop"
+    assert updates[-1].stats is decoder.generations["a"].stats
+    assert decoder.generations["a"].closed
+    assert state.first_output_time is not None and state.finish_time >= state.first_output_time
+
+
+def test_non_streaming_sends_one_response_with_the_prompt_prepended():
+    engine, _, recorder = run_engine({"p": steps("ab", "cd")})
+    echoed = submit(engine, "p", stream=False, prepend_input=True)
+    engine.start()
+    recorder.wait_finals(1)
+    engine.stop()
+    assert [(u.text, u.num_output_tokens, u.final, u.finish_reason) for u in recorder.of(echoed)] == [
+        ("pabcd", 4, True, "length")
+    ]
+
+
+def test_an_empty_last_step_still_carries_the_final_flag():
+    engine, _, recorder = run_engine({"a": steps("x", "", reason="stop")})
+    state = submit(engine, "a", stream=True, prepend_input=False)
+    engine.start()
+    recorder.wait_finals(1)
+    engine.stop()
+    assert [(u.text, u.num_output_tokens, u.final) for u in recorder.of(state)] == [
+        ("x", 1, False),
+        ("", 1, True),
+    ]
+
+
+def test_requests_are_stepped_together_so_a_short_one_finishes_first():
+    engine, decoder, recorder = run_engine({"l": steps(*"abcdefgh"), "s": steps("x", "y")})
+    long = submit(engine, "l", stream=True, prepend_input=False)
+    short = submit(engine, "s", stream=True, prepend_input=False)
+    engine.start()
+    recorder.wait_finals(2)
+    engine.stop()
+    assert decoder.order[:4] == ["l", "s", "l", "s"]
+    finals = [u.state for u in recorder.updates if u.final]
+    assert finals == [short, long]
+
+
+def test_a_new_request_is_prefilled_before_the_running_ones_step():
+    engine, decoder, recorder = run_engine({"l": steps(*"abcdefgh"), "n": steps("x", "y")})
+    original_emit = engine.emit
+
+    def submit_after_first_response(update: Update) -> None:
+        original_emit(update)
+        if len(recorder.updates) == 1:
+            submit(engine, "n", stream=True, prepend_input=False)
+
+    engine.emit = submit_after_first_response
+    submit(engine, "l", stream=True, prepend_input=False)
+    engine.start()
+    recorder.wait_finals(2)
+    engine.stop()
+    joined = decoder.batches.index(["n"])  # the newcomer's prefill runs alone ...
+    assert decoder.batches[joined + 1] == ["l"]  # ... before the running request's next step
+    assert ["l", "n"] in decoder.batches[joined + 1 :]  # then they step together
+
+
+def test_requests_arriving_together_each_get_their_first_token_right_after_their_own_prefill():
+    engine, decoder, recorder = run_engine({"a": steps("x", "y"), "b": steps("u", "v")})
+    events: list[tuple[str, ...]] = []
+    original_step, original_emit = decoder.step, engine.emit
+
+    def step(generations: list[ScriptedGeneration]) -> list[StepOutput]:
+        events.append(("step", *(generation.name for generation in generations)))
+        return original_step(generations)
+
+    def emit(update: Update) -> None:
+        events.append(("emit", update.text))
+        original_emit(update)
+
+    decoder.step, engine.emit = step, emit
+    submit(engine, "a", stream=True, prepend_input=False)
+    submit(engine, "b", stream=True, prepend_input=False)
+    engine.start()
+    recorder.wait_finals(2)
+    engine.stop()
+    assert events[:5] == [("step", "a"), ("emit", "x"), ("step", "b"), ("emit", "u"), ("step", "a", "b")]
+
+
+def test_a_cancelled_request_stops_within_one_step_and_gets_one_cancelled_final():
+    script = steps(*"abcdefgh")
+    engine, decoder, recorder = run_engine({"c": script})
+    state = submit(engine, "c", stream=True, prepend_input=False)
+    original_emit = engine.emit
+
+    def cancel_after_second_response(update: Update) -> None:
+        original_emit(update)
+        if len(recorder.of(state)) == 2:
+            state.cancelled = True  # what the response thread does after is_cancelled()
+
+    engine.emit = cancel_after_second_response
+    engine.start()
+    recorder.wait_finals(1)
+    engine.stop()
+    updates = recorder.of(state)
+    assert [u.final for u in updates] == [False, False, True]
+    assert (updates[-1].failure, updates[-1].message) == (FailureCode.CANCELLED, "Request was cancelled")
+    assert decoder.generations["c"].closed
+    assert decoder.order == ["c", "c"]
+    assert "Cancelling request req-c" in recorder.info
+
+
+def test_a_failing_step_ends_only_that_request():
+    engine, _, recorder = run_engine({"f": [RuntimeError("boom")], "g": steps("ok")})
+    failing = submit(engine, "f", stream=True, prepend_input=False)
+    healthy = submit(engine, "g", stream=True, prepend_input=False)
+    engine.start()
+    recorder.wait_finals(2)
+    engine.stop()
+    [failure] = recorder.of(failing)
+    assert (failure.final, failure.failure, failure.message) == (
+        True,
+        FailureCode.INTERNAL,
+        "Error generating text: boom",
+    )
+    assert [(u.text, u.final) for u in recorder.of(healthy)] == [("ok", True)]
+    assert "boom" in recorder.errors[0]
+
+
+def test_stop_answers_every_request_still_in_flight():
+    engine, decoder, recorder = run_engine({"w": steps(*"abcdefgh"), "v": steps(*"abcdefgh")})
+    decoder.gate.clear()
+    states = [submit(engine, name, stream=True, prepend_input=False) for name in "wv"]
+    engine.start()
+    time.sleep(0.05)  # the engine is now inside the first step, waiting for the gate
+    stopper = threading.Thread(target=engine.stop)
+    stopper.start()
+    decoder.gate.set()
+    stopper.join(5)
+    assert not stopper.is_alive()
+    for state in states:
+        finals = [u for u in recorder.of(state) if u.final]
+        assert [(u.failure, u.message) for u in finals] == [(FailureCode.UNAVAILABLE, SHUTDOWN_MESSAGE)]
+    assert all(generation.closed for generation in decoder.generations.values())
+
+
+# Trie snapshots, written by the engine thread
+
+
+def test_an_idle_engine_writes_a_due_snapshot_and_stop_writes_another(tmp_path):
+    trie = NGramTrie(capacity=100, max_depth=4)
+    trie.insert([1, 2, 3, 4])
+    path = tmp_path / "state" / "lookahead_0_0.trie"
+    decoder, recorder = ScriptedDecoder({"a": steps("x")}), Recorder()
+    snapshots = TrieSnapshots(trie, path, "fp", interval_s=0.05, log=recorder)
+    engine = Engine(decoder, recorder.emit, recorder, snapshots=snapshots)
+    submit(engine, "a", stream=True, prepend_input=False)
+    engine.start()
+    recorder.wait_finals(1)
+    assert wait_until(lambda: path.is_file() and not snapshots.changed), "no snapshot while idle"
+    first = load_trie(path, capacity=100, max_depth=4, fingerprint="fp").node_count
+    assert first == trie.node_count == 10  # every window of up to 4 tokens of [1, 2, 3, 4]
+    trie.insert([5, 6])  # changed behind the engine's back: only the final save can record it
+    engine.stop()
+    assert load_trie(path, capacity=100, max_depth=4, fingerprint="fp").node_count == trie.node_count == 13
+    assert f"Saved {path} (13 trie nodes)" in recorder.info
+
+
+def test_snapshots_wait_for_the_interval_and_for_a_change(tmp_path):
+    trie = NGramTrie(capacity=100, max_depth=4)
+    path = tmp_path / "t.trie"
+    snapshots = TrieSnapshots(trie, path, "fp", interval_s=3600, log=Recorder())
+    snapshots.mark_changed()
+    snapshots.maybe_save()
+    assert not path.exists()  # the interval has not passed
+    snapshots.interval_s = 0.0  # 0 disables periodic snapshots altogether
+    snapshots.maybe_save()
+    assert not path.exists()
+    snapshots.interval_s, snapshots.last_save = 1.0, time.monotonic() - 2
+    snapshots.maybe_save()
+    assert path.is_file() and not snapshots.changed
+    path.unlink()
+    snapshots.last_save = time.monotonic() - 2
+    snapshots.maybe_save()
+    assert not path.exists()  # nothing changed since the last save
+
+
+def test_a_failing_save_is_logged_and_retried(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    recorder = Recorder()
+    snapshots = TrieSnapshots(NGramTrie(capacity=100, max_depth=4), blocker / "t.trie", "fp", 1.0, recorder)
+    snapshots.mark_changed()
+    snapshots.save()
+    assert snapshots.changed
+    assert "Could not save the trie snapshot" in recorder.errors[0]
+
+
+def wait_until(condition, timeout_s: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True

@@ -1,0 +1,128 @@
+"""Continuous batching is lossless: requests stepped together emit what they emit alone."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from lookahead import Draft, LookaheadConfig, LookaheadDecoder, NGramTrie, SamplingParams
+from tests.helpers import LINEAR_KERNELS, plain_greedy, repetitive_prompt
+
+
+def run_concurrently(decoder: LookaheadDecoder, requests: list[tuple[list[int], SamplingParams, int]]):
+    """Start request i at engine iteration requests[i][2]; step all running ones together."""
+    pending = sorted(range(len(requests)), key=lambda i: requests[i][2])
+    running: dict[int, object] = {}
+    outputs: dict[int, list[int]] = {i: [] for i in range(len(requests))}
+    batch_sizes = []
+    iteration = 0
+    while pending or running:
+        while pending and requests[pending[0]][2] <= iteration:
+            i = pending.pop(0)
+            running[i] = decoder.start(requests[i][0], requests[i][1])
+        if running:
+            order = list(running)
+            batch_sizes.append(len(order))
+            for i, out in zip(order, decoder.step([running[i] for i in order])):
+                outputs[i] += out.token_ids
+                if out.finish_reason:
+                    del running[i]
+        iteration += 1
+    return outputs, batch_sizes
+
+
+@pytest.mark.parametrize("kernel", LINEAR_KERNELS)
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_greedy_requests_joining_at_different_times_match_running_alone(
+    arch, kernel, tiny_model, byte_tokenizer
+) -> None:
+    model = tiny_model(arch, linear_kernel=kernel)
+    rng = random.Random(arch)
+    requests = []
+    for i in range(5):
+        prompt = repetitive_prompt(rng, model.config.vocab_size) * (1 + i % 2)
+        requests.append((prompt, SamplingParams(max_tokens=8 + 5 * i), 3 * i))
+    trie = NGramTrie(capacity=10_000, max_depth=9)
+    for prompt, params, _ in requests:  # right drafts for some requests, so accepted lengths differ
+        trie.insert(prompt[-3:] + plain_greedy(model, prompt, params.max_tokens)[:6])
+    config = LookaheadConfig(decoding_length=8, branch_length=5, adaptive=False)
+    decoder = LookaheadDecoder(model, byte_tokenizer, trie, config, step_token_budget=24)
+    outputs, batch_sizes = run_concurrently(decoder, requests)
+    assert max(batch_sizes) >= 3
+    for i, (prompt, params, _) in enumerate(requests):
+        assert outputs[i] == plain_greedy(model, prompt, params.max_tokens), f"request {i}"
+    assert len(decoder.pool.owners) <= max(batch_sizes) + 1  # finished requests' slots are reused
+    assert all(owner is None for owner in decoder.pool.owners)
+
+
+def test_seeded_sampling_in_a_batch_matches_sampling_alone(tiny_model, byte_tokenizer) -> None:
+    model = tiny_model("llama")
+    rng = random.Random(3)
+    requests = [
+        (repetitive_prompt(rng, 256), SamplingParams(max_tokens=12, temperature=0.9, top_k=20, seed=i), i)
+        for i in range(4)
+    ]
+    alone = LookaheadDecoder(model, byte_tokenizer, NGramTrie(capacity=10_000, max_depth=16))
+    expected = [alone.generate(prompt, params)[0] for prompt, params, _ in requests]
+    together = LookaheadDecoder(model, byte_tokenizer, NGramTrie(capacity=10_000, max_depth=16))
+    outputs, _ = run_concurrently(together, requests)
+    assert [outputs[i] for i in range(4)] == expected
+
+
+def test_plain_and_speculative_requests_share_a_batch(tiny_model, byte_tokenizer) -> None:
+    model = tiny_model("llama")
+    prompt = [7, 8, 9, 10, 7, 8]
+    expected = plain_greedy(model, prompt, 16)
+    trie = NGramTrie(capacity=1000, max_depth=9)
+    trie.insert(prompt[-3:] + expected)
+    decoder = LookaheadDecoder(model, byte_tokenizer, trie, LookaheadConfig(adaptive=False))
+    plain = decoder.start(prompt, SamplingParams(max_tokens=16), LookaheadConfig(use_lookahead=False))
+    drafted = decoder.start(prompt, SamplingParams(max_tokens=16))
+    while not (plain.finished and drafted.finished):
+        decoder.step([g for g in (plain, drafted) if not g.finished])
+    assert plain.output_ids == drafted.output_ids == expected
+    assert plain.stats.draft_tokens == 0 and plain.stats.steps == 15
+    assert drafted.stats.accepted_draft_tokens > 0 and drafted.stats.steps < 15
+
+
+def test_speculation_is_switched_off_above_the_batch_threshold(tiny_model, byte_tokenizer) -> None:
+    model = tiny_model("llama")
+    prompt = [7, 8, 9, 10, 7, 8]
+    trie = NGramTrie(capacity=1000, max_depth=9)
+    trie.insert(prompt[-3:] + plain_greedy(model, prompt, 10))
+    decoder = LookaheadDecoder(
+        model, byte_tokenizer, trie, LookaheadConfig(adaptive=False), max_speculative_batch=2
+    )
+    alone = decoder.start(prompt, SamplingParams(max_tokens=10))
+    decoder.step([alone])
+    assert alone.stats.draft_tokens > 0  # a prefill of its own carries a draft
+    alone.close()
+    gens = [decoder.start(prompt, SamplingParams(max_tokens=10)) for _ in range(3)]
+    while not all(g.finished for g in gens):
+        decoder.step([g for g in gens if not g.finished])
+    # no draft is fed in a batched step or in a prefill joining one, nor retrieved only to be dropped
+    assert [(g.stats.draft_tokens, len(g.stats.retrieval_seconds)) for g in gens] == [(0, 0)] * 3
+    assert all(g.stats.steps > 0 for g in gens)
+    assert all(g.output_ids == plain_greedy(model, prompt, 10) for g in gens)
+
+
+@pytest.mark.parametrize("kernel", LINEAR_KERNELS)
+def test_padding_rows_skip_the_output_layer_and_no_logit_changes(kernel, tiny_model, byte_tokenizer) -> None:
+    decoder = LookaheadDecoder(tiny_model("llama", linear_kernel=kernel), byte_tokenizer)
+    assert decoder.head_of_hidden is not None
+    gens = [
+        decoder.start(prompt, SamplingParams(max_tokens=8)) for prompt in ([5, 6, 7], [9, 10, 11, 12, 13])
+    ]
+    decoder.step(gens)  # prefill: slots 0 and 1
+    drafts = [Draft([gens[0].ids[-1], 1, 2, 3], [-1, 0, 1, 1]), Draft.root_only(gens[1].ids[-1])]
+    lengths = [len(gen.ids) - 1 for gen in gens]
+    with torch.inference_mode():
+        ragged = decoder.forward_drafts(drafts, lengths)
+        decoder.head_of_hidden = None  # the model's own forward: logits for the padding rows too
+        padded = decoder.forward_drafts(drafts, lengths)
+    assert [rows.shape[0] for rows in ragged] == [4, 1]
+    exact = kernel == "packed"  # the packed kernel's rows do not depend on how many share a call
+    for mine, theirs in zip(ragged, padded):
+        torch.testing.assert_close(mine, theirs, rtol=0 if exact else 1e-5, atol=0 if exact else 1e-5)

@@ -1,0 +1,101 @@
+"""The launcher: backend directory assembly, and a real tritonserver serving a toy decoupled model."""
+
+from __future__ import annotations
+
+import socket
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from backend import launcher
+from backend.launcher import TritonServerError, assemble_backend_directory, free_port, start_server
+from tests.helpers import write_toy_repository
+
+
+def test_missing_model_repository_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(TritonServerError, match="model repository .*missing-repo does not exist"):
+        start_server(tmp_path / "missing-repo", http_port=1, grpc_port=2, metrics_port=3)
+
+
+def test_a_busy_port_is_refused_before_starting(tmp_path: Path) -> None:
+    repository = write_toy_repository(tmp_path, tmp_path / "marker")
+    with socket.socket() as busy:
+        busy.bind(("0.0.0.0", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(
+            TritonServerError, match=f"port {port} is already in use .*pass another --grpc-port"
+        ):
+            start_server(repository, http_port=free_port(), grpc_port=port, metrics_port=free_port())
+
+
+def fake_wheel(root: Path) -> Path:
+    """The nvidia-pytriton layout: backend files apart from one stub folder per Python version."""
+    server = root / "tritonserver"
+    (server / "backends" / "python").mkdir(parents=True)
+    (server / "backends" / "python" / "libtriton_python.so").write_bytes(b"backend")
+    (server / "backends" / "python" / "triton_python_backend_utils.py").write_text("utils")
+    for version in (f"{sys.version_info.major}.{sys.version_info.minor}", "3.8"):
+        (server / "python_backend_stubs" / version).mkdir(parents=True)
+        (server / "python_backend_stubs" / version / "triton_python_backend_stub").write_text(
+            f"stub {version}"
+        )
+    return server
+
+
+def test_backend_directory_holds_the_backend_and_this_pythons_stub(tmp_path: Path) -> None:
+    server = fake_wheel(tmp_path / "wheel")
+    backends = assemble_backend_directory(server, tmp_path / "backends")
+    python_dir = backends / "python"
+    assert sorted(p.name for p in python_dir.iterdir()) == [
+        "libtriton_python.so",
+        "triton_python_backend_stub",
+        "triton_python_backend_utils.py",
+    ]
+    assert (
+        python_dir / "triton_python_backend_stub"
+    ).read_text() == f"stub {sys.version_info[0]}.{sys.version_info[1]}"
+    assert (python_dir / "libtriton_python.so").read_bytes() == b"backend"
+
+
+def test_backend_directory_follows_an_updated_wheel(tmp_path: Path) -> None:
+    server = fake_wheel(tmp_path / "wheel")
+    assemble_backend_directory(server, tmp_path / "backends")
+    (server / "backends" / "python" / "triton_python_backend_utils.py").write_text("utils v2")
+    assemble_backend_directory(server, tmp_path / "backends")
+    assert (tmp_path / "backends" / "python" / "triton_python_backend_utils.py").read_text() == "utils v2"
+
+
+def test_a_python_without_stub_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    server = fake_wheel(tmp_path / "wheel")
+    monkeypatch.setattr(sys, "version_info", SimpleNamespace(major=3, minor=99))
+    with pytest.raises(TritonServerError, match="no Python backend stub for Python 3.99"):
+        assemble_backend_directory(server, tmp_path / "backends")
+
+
+def test_wheel_installation_runs_stubs_on_this_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(launcher.shutil, "which", lambda name: None)
+    monkeypatch.setenv("LD_LIBRARY_PATH", "/already/there")
+    installation = launcher.find_tritonserver()
+    assert installation.binary.name == "tritonserver" and installation.binary.is_file()
+    assert (installation.backend_directory / "python" / "triton_python_backend_stub").is_file()
+    library_path = installation.env["LD_LIBRARY_PATH"].split(":")
+    assert library_path[0].endswith("nvidia_pytriton.libs")
+    assert library_path[-1] == "/already/there"
+    assert installation.env["PATH"].split(":")[0] == str(Path(sys.executable).parent)
+    assert installation.env["PYTHONPATH"].split(":")[0] == str(launcher.REPO_ROOT)
+
+
+def test_tritonserver_on_the_path_keeps_its_own_backends(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(launcher.shutil, "which", lambda name: "/opt/tritonserver/bin/tritonserver")
+    installation = launcher.find_tritonserver()
+    assert installation.binary == Path("/opt/tritonserver/bin/tritonserver")
+    assert installation.backend_directory is None
+
+
+def test_free_port_can_be_bound() -> None:
+    port = free_port()
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", port))

@@ -1,0 +1,147 @@
+"""Lean decoder layers: taken only where they give the model's own bits, on every kind of forward."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from transformers import DynamicCache
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaModel
+
+from lookahead.algorithm.draft import Draft
+from lookahead.cpu import lean_layers
+from lookahead.cpu.extension import load_extension
+from lookahead.cpu.lean_layers import LeanDecoderLayer, LeanLlamaDecoderLayer, LeanLlamaModel, use_lean_layers
+from lookahead.cpu.packed_linear import pack_linear_layers
+from lookahead.runtime.decoder import LookaheadDecoder
+from lookahead.runtime.kv_pool import KVPool, PoolStep
+from tests.helpers import CPU_VARIANTS, build_tiny_model, tree_logits
+
+
+@pytest.fixture(params=CPU_VARIANTS)
+def extension(request: pytest.FixtureRequest) -> Any:
+    return load_extension(request.param)
+
+
+def is_lean(model: Any) -> list[bool]:
+    return [isinstance(layer, LeanDecoderLayer) for layer in model.model.layers]
+
+
+def forwards(model: Any) -> list[torch.Tensor]:
+    """A prefill, a one-token step after it, a draft tree and a padded batch of two."""
+    prompt = [5, 17, 33, 2, 250, 9, 41, 7]
+    cache = DynamicCache(config=model.config)
+    with torch.inference_mode():
+        prefill = model(input_ids=torch.tensor([prompt]), cache=cache, use_cache=True).logits
+        step = model(input_ids=torch.tensor([[3]]), cache=cache, use_cache=True).logits
+        tree = tree_logits(model, prompt, [7, 8, 9, 10, 11], [-1, 0, 1, 0, 3])
+        batch = model(
+            input_ids=torch.tensor([prompt, [0, 0] + prompt[:6]]),
+            attention_mask=torch.tensor([[1] * 8, [0, 0] + [1] * 6]),
+        ).logits
+    return [prefill, step, tree, batch]
+
+
+def packed_tiny_model(architecture: str, extension: Any) -> nn.Module:
+    model = build_tiny_model(architecture)
+    pack_linear_layers(model, extension)
+    return model
+
+
+@pytest.mark.parametrize("architecture", ["llama", "qwen2", "qwen3", "mistral"])
+def test_lean_layers_give_the_bits_of_transformers_layers(architecture: str, extension: Any) -> None:
+    model = packed_tiny_model(architecture, extension)
+    expected = forwards(model)  # transformers' layers on the same packed kernel
+    assert use_lean_layers(model, extension)
+    assert all(is_lean(model))
+    assert isinstance(model.model, LeanLlamaModel) == (architecture == "llama")
+    for actual, wanted in zip(forwards(model), expected):
+        assert torch.equal(actual, wanted)
+
+
+def test_other_layer_shapes_keep_transformers_layers(extension: Any) -> None:
+    model = packed_tiny_model("gemma", extension)
+    assert not use_lean_layers(model, extension)
+    assert not any(is_lean(model))
+
+
+def test_a_lean_forward_that_changes_any_bit_is_refused(
+    monkeypatch: pytest.MonkeyPatch, extension: Any
+) -> None:
+    model = packed_tiny_model("llama", extension)
+    original = LeanLlamaDecoderLayer.forward
+
+    def skewed(self: LeanDecoderLayer, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return original(self, *args, **kwargs) * (1 + 1e-6)
+
+    monkeypatch.setattr(LeanLlamaDecoderLayer, "forward", skewed)
+    assert not use_lean_layers(model, extension)
+    assert type(model.model) is LlamaModel  # the inner model is unwrapped again
+    assert all(
+        type(layer) is LlamaDecoderLayer and not hasattr(layer, "lean") for layer in model.model.layers
+    )
+
+
+def test_the_default_model_runs_lean_layers_and_a_lean_inner_model(default_model: Any) -> None:
+    assert all(is_lean(default_model.model)) and isinstance(default_model.model.model, LeanLlamaModel)
+
+
+def test_a_lean_llama_hands_other_calls_to_transformers(extension: Any) -> None:
+    model = packed_tiny_model("llama", extension)
+    assert use_lean_layers(model, extension)
+    ids = torch.tensor([[5, 17, 33, 2]])
+    with torch.inference_mode():
+        plain = model(input_ids=ids)
+        with_hidden = model(input_ids=ids, output_hidden_states=True)  # not a lean call: stock module
+    assert with_hidden.hidden_states is not None and len(with_hidden.hidden_states) == 3
+    assert torch.equal(plain.logits, with_hidden.logits)
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_the_pool_step_writes_and_reads_the_same_in_python_and_cpp(batched: bool, extension: Any) -> None:
+    generator = torch.Generator().manual_seed(1)
+    buffers = [torch.randn(3, 2, 16, 4, generator=generator) for _ in range(2)]
+    rows, q = (2, 3) if batched else (1, 3)
+    keys, values = (torch.randn(rows, 2, q, 4, generator=generator) for _ in range(2))
+    if batched:
+        positions = torch.tensor([[4], [9]]) + torch.arange(q)
+        step = PoolStep(0, torch.arange(rows)[:, None].expand(-1, q), positions, 12)
+    else:
+        step = PoolStep(5, None, None, 8)
+    python_buffers = [b.clone() for b in buffers]
+    cpp_buffers = [b.clone() for b in buffers]
+    python_reads = step.write_and_read(*python_buffers, keys, values)
+    twin = extension.PoolStep(step.start, step.slots, step.positions, step.read_length)
+    cpp_reads = twin.write_and_read(*cpp_buffers, keys, values)
+    for python, cpp in zip([*python_buffers, *python_reads], [*cpp_buffers, *cpp_reads]):
+        assert torch.equal(python, cpp)
+    assert not torch.equal(python_buffers[0], buffers[0])  # something was written
+
+
+def test_a_step_on_the_kv_pool_runs_every_layer_in_one_call_with_the_same_bits(
+    monkeypatch: pytest.MonkeyPatch, extension: Any, byte_tokenizer: Any
+) -> None:
+    model = packed_tiny_model("llama", extension)
+    assert use_lean_layers(model, extension)
+    decoder = LookaheadDecoder(model, byte_tokenizer)
+    gen = decoder.start([5, 6, 7, 8, 9])
+    decoder.step([gen])  # the prefill puts the prompt in the pool
+    draft = Draft([gen.ids[-1], 1, 2, 3], [-1, 0, 1, 1])
+    python_writes: list[int] = []
+    write_and_read = PoolStep.write_and_read
+
+    def counted(step: PoolStep, *args: Any) -> Any:
+        python_writes.append(1)
+        return write_and_read(step, *args)
+
+    monkeypatch.setattr(PoolStep, "write_and_read", counted)
+    with torch.inference_mode():
+        (stacked,) = decoder.forward_drafts([draft], [len(gen.ids) - 1])
+        assert python_writes == []  # the pool was written from C++
+        monkeypatch.setattr(lean_layers, "StepCache", type("NotAStepCache", (), {}))
+        (layered,) = decoder.forward_drafts([draft], [len(gen.ids) - 1])
+    assert len(python_writes) == decoder.model.config.num_hidden_layers
+    assert torch.equal(stacked, layered)
+    assert isinstance(decoder.pool, KVPool)

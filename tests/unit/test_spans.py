@@ -1,0 +1,92 @@
+"""SpanIndex: the longest earlier repeat of the latest tokens, and the copy drafts built from it."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from lookahead.algorithm.retrieval import retrieve_draft
+from lookahead.algorithm.spans import KEY, Copy, SpanIndex
+from lookahead.algorithm.trie import NGramTrie
+
+
+def test_the_longest_repeat_wins_over_a_more_recent_shorter_one():
+    long_source = [1, 2, 3, 4, 5, 6, 70, 71, 72]
+    short_source = [9, 3, 4, 5, 6, 80, 81]
+    index = SpanIndex([*long_source, *short_source, 1, 2, 3, 4, 5, 6])
+    copy = index.continuation(5)
+    assert copy == Copy([70, 71, 72, 9, 3], matched=6)
+
+
+def test_equal_repeats_continue_the_most_recent_one():
+    index = SpanIndex([1, 2, 3, 4, 10, 11, 1, 2, 3, 4, 20, 21, 0, 1, 2, 3, 4])
+    assert index.continuation(2) == Copy([20, 21], matched=4)
+
+
+def test_no_repeat_no_copy():
+    assert SpanIndex([1, 2, 3, 4, 5, 6]).continuation(4) is None
+    assert SpanIndex([1, 2, 3]).continuation(4) is None  # shorter than a key
+    assert SpanIndex([1, 2, 3, 4, 1, 2, 3, 4]).continuation(0) is None
+
+
+def test_extend_sees_new_tokens_and_a_self_overlapping_repeat():
+    index = SpanIndex([5, 6, 7, 8])
+    assert index.continuation(3) is None
+    index.extend([5, 6, 7, 8])
+    assert index.continuation(3) == Copy([5, 6, 7], matched=4)  # a loop continues itself
+    index.extend([5])
+    assert index.continuation(8).tokens == [6, 7, 8, 5]  # only what exists so far
+
+
+def test_probabilities_follow_the_rule_of_succession():
+    copy = Copy([1, 2, 3], matched=9)
+    assert copy.conditional(0) == pytest.approx(10 / 11)
+    reach = copy.conditional(0) * copy.conditional(1) * copy.conditional(2)
+    assert reach == pytest.approx((9 + 1) / (9 + 3 + 1))
+
+
+def test_matches_agree_with_a_brute_force_search():
+    rng = random.Random(0)
+    for _ in range(200):
+        ids = [rng.randrange(3) for _ in range(rng.randrange(KEY, 60))]
+        copy = SpanIndex(ids).continuation(6)
+        best = max(
+            (
+                (next(k for k in range(end + 1) if k == end or ids[end - 1 - k] != ids[-1 - k]), end)
+                for end in range(KEY, len(ids))
+                if ids[end - KEY : end] == ids[-KEY:]
+            ),
+            default=None,
+        )
+        if best is None:
+            assert copy is None
+        else:
+            assert copy == Copy(ids[best[1] : best[1] + 6], best[0])
+
+
+def test_a_copy_draft_runs_past_the_trie_depth():
+    text = list(range(100, 140))
+    local = NGramTrie(capacity=10_000, max_depth=8)
+    local.insert([*text, 1, *text[:10]])
+    context = [*text, 1, *text[:10]]
+    copy = SpanIndex(context).continuation(24)
+    without = retrieve_draft(context, local, None, decoding_length=64, branch_length=24, mode="one")
+    with_copy = retrieve_draft(
+        context, local, None, decoding_length=64, branch_length=24, mode="one", copy=copy
+    )
+    assert len(without) - 1 == 8 - 4  # the trie holds 8-grams: a 4-token query leaves 4
+    assert with_copy.tokens[1:] == text[10:34] and max(with_copy.depths()) == 24
+    assert with_copy.probs[1] > without.probs[1]
+
+
+def test_a_copy_backs_off_to_the_tries_for_other_tokens():
+    local = NGramTrie(capacity=10_000, max_depth=6)
+    local.insert([1, 2, 3, 4, 50, 1, 2, 3, 4, 60])
+    copy = Copy([70, 71], matched=4)  # disagrees with both trie continuations
+    draft = retrieve_draft([1, 2, 3, 4], local, None, decoding_length=8, branch_length=2, copy=copy)
+    first = {draft.tokens[i]: draft.probs[i] for i in range(1, len(draft)) if draft.parents[i] == 0}
+    assert set(first) == {70, 50, 60}
+    assert first[70] == pytest.approx(copy.conditional(0))
+    assert sum(first.values()) <= 1.0 + 1e-9
+    assert draft.tokens[1:3] == [70, 71]  # best branch first
