@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from lookahead.cpu.extension import VARIANTS, runnable_variants
 from lookahead.models.embedded import DEFAULT_MODEL
 from lookahead.models.loading import LoadedModel, load_model
 from tests.helpers import ByteTokenizer, build_tiny_model
@@ -38,6 +39,14 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
     terminalreporter.write_line(
         f"integration tests: {ran} ran ({counts['passed']} passed, {counts['failed']} failed), "
         f"{counts['error']} errors, {counts['skipped']} skipped"
+    )
+    runnable = runnable_variants()
+    terminalreporter.write_line(
+        "fast CPU path variants: "
+        + ", ".join(
+            f"{v.name} {'tested' if v in runnable else 'NOT tested (this CPU cannot run it)'}"
+            for v in VARIANTS
+        )
     )
 
 

@@ -12,7 +12,8 @@ import pytest
 import torch
 from transformers import CONFIG_MAPPING, AutoModelForCausalLM, DynamicCache
 
-from lookahead.cpu.extension import VARIANTS, runnable_variants, why_no_variant
+from lookahead.cpu import apply_fast_path
+from lookahead.cpu.extension import VARIANTS, runnable_variants, variant_named
 from lookahead.models.loading import apply_execution_path
 
 TINY_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "gemma")
@@ -28,36 +29,40 @@ _TINY_CONFIG = dict(
     max_position_embeddings=512,
 )
 
-# Both linear kernels, for tests that must hold on each execution path.
+
+def _cannot_run(variant: Any) -> Any:
+    return pytest.mark.skipif(
+        variant not in runnable_variants(), reason=f"this CPU cannot run the {variant.name} variant"
+    )
+
+
+# Every execution path, for tests that must hold on each: transformers' layers and every variant
+# of the fast CPU path ("packed-<variant>"). A variant this CPU cannot run is skipped with the
+# reason, and the run's summary says which variants ran (tests/conftest.py).
 LINEAR_KERNELS = (
     "stock",
-    pytest.param("packed", marks=pytest.mark.skipif(not runnable_variants(), reason=why_no_variant())),
+    *(pytest.param(f"packed-{v.name}", id=f"packed-{v.name}", marks=_cannot_run(v)) for v in VARIANTS),
 )
-
-# Every variant of the fast CPU path; one this CPU cannot run is skipped with the reason.
-CPU_VARIANTS = tuple(
-    pytest.param(
-        variant,
-        id=variant.name,
-        marks=pytest.mark.skipif(
-            variant not in runnable_variants(), reason=f"this CPU cannot run the {variant.name} variant"
-        ),
-    )
-    for variant in VARIANTS
-)
+# Every variant of the fast CPU path, for tests of the kernel itself.
+CPU_VARIANTS = tuple(pytest.param(v, id=v.name, marks=_cannot_run(v)) for v in VARIANTS)
 
 
 def build_tiny_model(
     architecture: str = "llama", linear_kernel: str = "stock", **config_overrides: Any
 ) -> Any:
     """A float32 model in eval mode whose weights depend only on the architecture and config, set
-    up as load_model sets up a real one."""
+    up as load_model sets up a real one. linear_kernel: "stock", "packed" (the chosen variant) or
+    "packed-<variant>"."""
     if architecture not in TINY_ARCHITECTURES:
         raise ValueError(f"architecture must be one of {', '.join(TINY_ARCHITECTURES)}, got {architecture!r}")
     config = CONFIG_MAPPING[architecture](**{**_TINY_CONFIG, **config_overrides})
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    apply_execution_path(model, linear_kernel)
+    kernel, _, variant = linear_kernel.partition("-")
+    if variant:
+        apply_fast_path(model, kernel, variant_named(variant))
+    else:
+        apply_execution_path(model, kernel)
     return model
 
 

@@ -1,14 +1,16 @@
-"""Forward-cost micro-benchmark: stock vs packed linear kernel, by number of new tokens.
+"""Forward-cost micro-benchmark: stock layers and every variant of the fast CPU path, by new tokens.
 
 Times the decoder's own verification forward (`LookaheadDecoder.forward_drafts`: KV pool,
-4-D tree mask) for a chain of q new tokens after `--cached` cached tokens, for q in 1..64, on two
-copies of the model in one process: stock transformers linear layers and the packed kernel of
-`lookahead.cpu`. Each path is timed in a block of its own (as a server runs one
-model, whose weights then stay in the caches), and the blocks alternate over two rounds so that
-drift hits both. Prints medians in ms and each q's cost relative to the same path's one-token forward, and
-checks that both paths agree on the greedy tokens.
+4-D tree mask) for a chain of q new tokens after `--cached` cached tokens, for q in 1..64, on
+one copy of the model per execution path in one process: transformers' stock layers and each
+variant of `lookahead.cpu`'s packed kernel this CPU runs (avx512, avx2). Each path is timed in a
+block of its own (as a server runs one model, whose weights then stay in the caches), and the
+blocks alternate over two rounds so that drift hits all of them. Prints medians in ms, each q's
+cost relative to the same path's one-token forward and each packed path's speed-up over stock,
+and checks that every path chose the same greedy tokens.
 
     python -m scripts.bench_forward --threads 2 --repeats 15
+    scripts/as_avx2.sh .venv/bin/python -m scripts.bench_forward   # as on an AVX2-only CPU
 """
 
 from __future__ import annotations
@@ -27,13 +29,24 @@ from ..models.loading import load_model
 from ..runtime.decoder import LookaheadDecoder
 
 NEW_TOKENS = (1, 2, 4, 8, 16, 32, 64)
-KERNELS = ("stock", "packed")
 
 
-def prefilled_decoder(model_name: str, kernel: str, cached: int) -> LookaheadDecoder:
-    """A decoder whose pool slot 0 holds `cached` entries of a fixed pseudo-random prompt."""
-    loaded = load_model(model_name, linear_kernel=kernel)
-    decoder = LookaheadDecoder.for_model(loaded)
+def execution_paths() -> list[str]:
+    """ "stock", then "packed-<variant>" for every variant this CPU runs."""
+    from ..cpu.extension import runnable_variants
+
+    return ["stock", *(f"packed-{variant.name}" for variant in runnable_variants())]
+
+
+def prefilled_decoder(model_name: str, path: str, cached: int) -> LookaheadDecoder:
+    """A decoder on `path` whose pool slot 0 holds `cached` entries of a fixed pseudo-random prompt."""
+    loaded = load_model(model_name, linear_kernel="stock")
+    if path != "stock":
+        from ..cpu import apply_fast_path
+        from ..cpu.extension import variant_named
+
+        apply_fast_path(loaded.model, "packed", variant_named(path.removeprefix("packed-")))
+    decoder = LookaheadDecoder(loaded.model, loaded.tokenizer)
     generator = torch.Generator().manual_seed(0)
     prompt = torch.randint(100, len(loaded.tokenizer) - 100, (cached,), generator=generator)
     generation = decoder.start(prompt.tolist())
@@ -60,34 +73,47 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("results/bench_forward.json"))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    decoders = {kernel: prefilled_decoder(args.model, kernel, args.cached) for kernel in KERNELS}
-    samples: dict[str, dict[int, list[float]]] = {kernel: {q: [] for q in NEW_TOKENS} for kernel in KERNELS}
-    tokens: dict[str, dict[int, torch.Tensor]] = {kernel: {} for kernel in KERNELS}
+    paths = execution_paths()
+    decoders = {path: prefilled_decoder(args.model, path, args.cached) for path in paths}
+    samples: dict[str, dict[int, list[float]]] = {path: {q: [] for q in NEW_TOKENS} for path in paths}
+    tokens: dict[str, dict[int, torch.Tensor]] = {path: {} for path in paths}
     for _ in range(2):  # rounds
-        for kernel, decoder in decoders.items():
+        for path, decoder in decoders.items():
             for q in NEW_TOKENS:
                 for _ in range(2):  # warm-up
                     time_forward(decoder, q, args.cached)
                 for _ in range(-(-args.repeats // 2)):
-                    seconds, tokens[kernel][q] = time_forward(decoder, q, args.cached)
-                    samples[kernel][q].append(seconds)
-    agree = all(torch.equal(tokens["stock"][q], tokens["packed"][q]) for q in NEW_TOKENS)
+                    seconds, tokens[path][q] = time_forward(decoder, q, args.cached)
+                    samples[path][q].append(seconds)
+    agree = all(torch.equal(tokens[path][q], tokens["stock"][q]) for path in paths for q in NEW_TOKENS)
     medians = {
-        kernel: {q: statistics.median(seconds) * 1e3 for q, seconds in by_q.items()}
-        for kernel, by_q in samples.items()
+        path: {q: statistics.median(seconds) * 1e3 for q, seconds in by_q.items()}
+        for path, by_q in samples.items()
     }
-    print(f"forward cost, {args.cached} cached tokens, {args.threads} threads, median of {args.repeats}")
-    print(f"{'new tokens':>10} | {'stock ms':>8} | {'x q=1':>6} | {'packed ms':>9} | {'x q=1':>6} | ratio")
+    print(
+        f"forward cost, {args.cached} cached tokens, {args.threads} threads, median of {args.repeats}; "
+        f"torch CPU capability {torch.backends.cpu.get_cpu_capability()}"
+    )
+    header = " | ".join(
+        f"{path + ' ms':>18} | {'x q=1':>5}" + ("" if path == "stock" else " | x stock") for path in paths
+    )
+    print(f"{'new tokens':>10} | {header}")
     for q in NEW_TOKENS:
-        stock, packed = medians["stock"][q], medians["packed"][q]
-        print(
-            f"{q:>10} | {stock:8.1f} | {stock / medians['stock'][1]:6.2f} | {packed:9.1f} | "
-            f"{packed / medians['packed'][1]:6.2f} | {packed / stock:.2f}"
-        )
-    print("greedy tokens of both paths agree" if agree else "WARNING: the paths chose other greedy tokens")
+        cells = []
+        for path in paths:
+            ms = medians[path][q]
+            cell = f"{ms:18.1f} | {ms / medians[path][1]:5.2f}"
+            if path != "stock":
+                cell += f" | {medians['stock'][q] / ms:7.2f}"
+            cells.append(cell)
+        print(f"{q:>10} | " + " | ".join(cells))
+    print("greedy tokens of every path agree" if agree else "WARNING: the paths chose other greedy tokens")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"cached": args.cached, "threads": args.threads, "ms": medians}, indent=2))
-
-
-if __name__ == "__main__":
-    main()
+    report = {
+        "cached": args.cached,
+        "threads": args.threads,
+        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "ms": medians,
+        "agree": agree,
+    }
+    args.out.write_text(json.dumps(report, indent=2))

@@ -42,9 +42,18 @@ class Variant:
         return f"lookahead_cpu_{self.name}"
 
 
+# Fastest first. The same sources build both (csrc/simd.h), with the same results bit for bit.
 VARIANTS = (
-    Variant("avx512", ("-mavx512f", "-mavx512vl", "-mfma"), frozenset({"avx512f", "avx512vl", "fma"})),
+    Variant(
+        "avx512",
+        ("-mavx512f", "-mavx512vl", "-mfma", "-mf16c"),
+        frozenset({"avx512f", "avx512vl", "fma", "f16c"}),
+    ),
+    Variant("avx2", ("-mavx2", "-mfma", "-mf16c"), frozenset({"avx2", "fma", "f16c"})),
 )
+# Names one variant to use instead of the fastest this CPU runs (e.g. to measure AVX2 on an
+# AVX-512 machine).
+VARIANT_ENV = "LOOKAHEAD_CPU_VARIANT"
 
 
 def cpu_flags() -> frozenset[str]:
@@ -65,27 +74,46 @@ def runnable_variants() -> tuple[Variant, ...]:
     return tuple(variant for variant in VARIANTS if variant.cpu_flags <= flags)
 
 
+def chosen_variant() -> Variant:
+    """The variant a model runs on: $LOOKAHEAD_CPU_VARIANT when set, else the fastest this CPU runs.
+
+    Raises FastPathUnavailable when none runs (or the named one cannot)."""
+    runnable = runnable_variants()
+    forced = os.environ.get(VARIANT_ENV, "").strip()
+    if forced:
+        variant = variant_named(forced)
+        if variant not in runnable:
+            raise FastPathUnavailable(f"{VARIANT_ENV}={forced}: this CPU cannot run it ({why_no_variant()})")
+        return variant
+    if not runnable:
+        raise FastPathUnavailable(why_no_variant())
+    return runnable[0]
+
+
 def why_no_variant() -> str:
     """Why no variant runs here (only meaningful when `runnable_variants()` is empty)."""
     machine = platform.machine()
     if machine.lower() not in ("x86_64", "amd64"):
         return f"the fast CPU path needs an x86-64 CPU, this one is {machine}"
     needed = " or ".join("+".join(sorted(v.cpu_flags)) for v in VARIANTS)
-    return f"the fast CPU path needs an x86-64 CPU with {needed}; this one has none of these sets"
+    has = sorted(cpu_flags() & frozenset().union(*(v.cpu_flags for v in VARIANTS)))
+    return (
+        f"the fast CPU path needs an x86-64 CPU with {needed}; this one has {'+'.join(has) or 'none of them'}"
+    )
 
 
 def variant_named(name: str) -> Variant:
     for variant in VARIANTS:
         if variant.name == name:
             return variant
-    raise ValueError(f"unknown CPU variant {name!r}: one of {', '.join(v.name for v in VARIANTS)}")
+    raise FastPathUnavailable(f"unknown CPU variant {name!r}: one of {', '.join(v.name for v in VARIANTS)}")
 
 
 @cache
 def load_extension(variant: Variant) -> ModuleType:
     """Compile (first time, ~1 min) or load one variant of the extension."""
     if variant not in runnable_variants():
-        raise FastPathUnavailable(f"this CPU cannot run the {variant.name} variant ({why_no_variant()})")
+        raise FastPathUnavailable(f"this CPU cannot run the {variant.name} variant")
     from torch.utils import cpp_extension
 
     try:

@@ -17,7 +17,14 @@ import torch
 from ..config import LINEAR_KERNELS
 from .attention import use_grouped_sdpa
 from .cost_priors import PRIORS
-from .extension import FastPathUnavailable, load_extension, runnable_variants, why_no_variant
+from .extension import (
+    FastPathUnavailable,
+    Variant,
+    chosen_variant,
+    load_extension,
+    runnable_variants,
+    why_no_variant,
+)
 from .lean_layers import use_lean_layers
 from .packed_linear import pack_linear_layers
 
@@ -41,8 +48,9 @@ class FastPath:
         return f"packed {self.variant} kernel, {layers}"
 
 
-def apply_fast_path(model: Any, linear_kernel: str = "auto") -> FastPath:
-    """Put `model` on the linear kernel named `linear_kernel` ("auto": packed where it can run).
+def apply_fast_path(model: Any, linear_kernel: str = "auto", variant: Variant | None = None) -> FastPath:
+    """Put `model` on the linear kernel named `linear_kernel` ("auto": packed where it can run),
+    on `variant` of the kernel (None: `chosen_variant()`).
 
     Raises ValueError for an unknown name and FastPathUnavailable when "packed" cannot run here.
     """
@@ -52,7 +60,8 @@ def apply_fast_path(model: Any, linear_kernel: str = "auto") -> FastPath:
     if linear_kernel == "stock":
         return FastPath("stock", reason="linear_kernel stock")
     try:
-        variant = _usable_variant(model)
+        _check_model(model)
+        variant = variant or chosen_variant()
         extension = load_extension(variant)
     except FastPathUnavailable as error:
         if linear_kernel == "packed":
@@ -66,7 +75,7 @@ def apply_fast_path(model: Any, linear_kernel: str = "auto") -> FastPath:
     return FastPath("packed", variant.name, PRIORS[variant.name], lean_layers=lean)
 
 
-def _usable_variant(model: Any) -> Any:
+def _check_model(model: Any) -> None:
     parameter = next(model.parameters())
     if parameter.device.type != "cpu":
         raise FastPathUnavailable(f"the packed kernel runs on the CPU, not {parameter.device}")
@@ -74,10 +83,6 @@ def _usable_variant(model: Any) -> Any:
         raise FastPathUnavailable(
             f"the packed kernel is fp32 only, not {str(parameter.dtype).removeprefix('torch.')}"
         )
-    variants = runnable_variants()
-    if not variants:
-        raise FastPathUnavailable(why_no_variant())
-    return variants[0]
 
 
 def prepare() -> list[str]:

@@ -3,10 +3,11 @@
 Stock fp32 linear layers re-pack their weights on every matrix-matrix call, so verifying a
 16-token draft tree costs about 2x a one-token step. `pack_linear_layers` swaps every fp32
 `nn.Linear` of a model for a `PackedLinear` whose weights are packed once for the kernel.
-Weights that are exactly a dequantised 4- or 8-bit checkpoint (the default model's are) are kept
-as integers and fp16 scales the kernel rebuilds them from bit for bit: a byte per weight (int8
-form), or half a byte where every integer is in 0..15 (int4 form), plus 1/8 byte of scales, so a
-step streams 28% or 16% of the fp32 bytes.
+Weights that are exactly a dequantised 4- to 8-bit checkpoint (integer_forms.py: the default
+model's Q4_1, Qwen's Q4_K, Q5_0, Q6_K and Q8_0) are kept as integers and fp16 or fp32 scales
+the kernel rebuilds them from bit for bit: a byte per weight (int8 form), or half a byte where
+every integer is in 0..15 (int4 form), plus the scales, so a step streams a sixth to a third of
+the fp32 bytes.
 
 The kernel's results do not depend on the number of rows fed together, so plain and
 speculative decoding on this path produce the same logits bit for bit.
@@ -19,8 +20,9 @@ from types import ModuleType
 import torch
 from torch import nn
 
+from .integer_forms import exact_integer_form
+
 _LANES = 16  # outputs per packed block, as in csrc/packed_linear.cpp
-_GROUP = 32  # inputs sharing one (d, m) in the int8 and int4 forms
 
 
 # Sibling layers that always read the same input (attention q/k/v, MLP gate/up): packed as one
@@ -41,19 +43,18 @@ class PackedWeights(nn.Module):
         self.in_features = linears[0].in_features
         self.out_features = sum(linear.out_features for linear in linears)
         weight = torch.cat([linear.weight.detach() for linear in linears])
-        blocks = exact_int8_blocks(weight)
-        if blocks is None:
+        form = exact_integer_form(weight)
+        if form is None:
             self.form = "fp32"
             self.register_buffer("weight_packed", _pack_columns(weight))
         else:
-            q, d, m = blocks
-            self.form = "int4" if bool(((q >= 0) & (q <= 15)).all()) else "int8"
-            q_packed = _pack_columns(q)
+            self.form = "int4" if form.nibbles else "int8"
+            q_packed = _pack_columns(form.q)
             if self.form == "int4":  # inputs 2k and 2k + 1 share a byte, low nibble first
                 q_packed = (q_packed[:, 0::2] | (q_packed[:, 1::2] << 4)).view(torch.uint8)
             self.register_buffer("q_packed", q_packed)
-            self.register_buffer("d_packed", _pack_columns(d))
-            self.register_buffer("m_packed", _pack_columns(m))
+            self.register_buffer("d_packed", _pack_columns(form.d))
+            self.register_buffer("m_packed", _pack_columns(form.m))
         biases = [linear.bias for linear in linears]
         self.register_buffer("bias", None if biases[0] is None else torch.cat([b.detach() for b in biases]))
         self.matrix = extension.PackedMatrix(  # holds the buffers above, not copies
@@ -107,52 +108,6 @@ class PackedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}"
-
-
-def exact_int8_blocks(
-    weight: torch.Tensor, chunk_rows: int = 4096
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """(q int8 [N, K], d fp16 [N, K/32], m fp16 [N, K/32]) with weight == fl(fl(d * q) + m) bit for
-    bit, else None.
-
-    A model dequantised from a Q4_1- or Q8_0-style checkpoint (the default model is) has such
-    weights: every 32 consecutive inputs of a row share one half-precision scale d and offset m.
-    Candidates for d are the half-precision neighbours of (max - min) / 15 (4-bit, m = min) and
-    of max|w| / 127 (8-bit, m = 0); a block is kept only if one rebuilds it exactly.
-    """
-    rows, inputs = weight.shape
-    if weight.dtype != torch.float32 or inputs % _GROUP:
-        return None
-    parts = []
-    for start in range(0, rows, chunk_rows):
-        part = _exact_int8_chunk(weight[start : start + chunk_rows].reshape(-1, inputs // _GROUP, _GROUP))
-        if part is None:
-            return None
-        parts.append(part)
-    q, d, m = (torch.cat(column) for column in zip(*parts))
-    return q.reshape(rows, inputs), d, m
-
-
-def _exact_int8_chunk(groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    low, high = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
-    magnitude = groups.abs().amax(-1, keepdim=True)
-    best_q = torch.zeros(groups.shape, dtype=torch.int8)
-    best_d, best_m = torch.zeros_like(low), torch.zeros_like(low)
-    exact = torch.zeros(low.shape, dtype=torch.bool)
-    families = ((high - low, low, 0, 15), (magnitude, torch.zeros_like(low), -128, 127))  # Q4_1, Q8_0
-    candidates = ((family, ulps) for family in families for ulps in (0, 1, -1, 2, -2))
-    for (span, offset, q_min, q_max), ulps in candidates:
-        scale = ((span / q_max).half().view(torch.int16) + ulps).view(torch.float16).float()
-        q = torch.where(scale > 0, torch.round((groups - offset) / scale), 0).clamp(q_min, q_max)
-        rebuilt = scale * q + offset
-        hit = (rebuilt.view(torch.int32) == groups.view(torch.int32)).all(-1, keepdim=True) & ~exact
-        hit &= offset.half().float() == offset
-        best_q = torch.where(hit, q.to(torch.int8), best_q)
-        best_d, best_m = torch.where(hit, scale, best_d), torch.where(hit, offset, best_m)
-        exact |= hit
-        if bool(exact.all()):  # the usual case after the first candidate: no need to try the rest
-            return best_q, best_d.squeeze(-1).half(), best_m.squeeze(-1).half()
-    return None
 
 
 def _pack_columns(matrix: torch.Tensor) -> torch.Tensor:

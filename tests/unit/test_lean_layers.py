@@ -12,7 +12,7 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaMod
 
 from lookahead.algorithm.draft import Draft
 from lookahead.cpu import lean_layers
-from lookahead.cpu.extension import load_extension
+from lookahead.cpu.extension import load_extension, runnable_variants
 from lookahead.cpu.lean_layers import LeanDecoderLayer, LeanLlamaDecoderLayer, LeanLlamaModel, use_lean_layers
 from lookahead.cpu.packed_linear import pack_linear_layers
 from lookahead.runtime.decoder import LookaheadDecoder
@@ -84,6 +84,7 @@ def test_a_lean_forward_that_changes_any_bit_is_refused(
     )
 
 
+@pytest.mark.skipif(not runnable_variants(), reason="no variant of the fast CPU path runs on this CPU")
 def test_the_default_model_runs_lean_layers_and_a_lean_inner_model(default_model: Any) -> None:
     assert all(is_lean(default_model.model)) and isinstance(default_model.model.model, LeanLlamaModel)
 

@@ -4,23 +4,41 @@ from __future__ import annotations
 
 import copy
 import random
+import re
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.quants import dequantize
 from torch import nn
 
 from lookahead import LookaheadConfig, LookaheadDecoder, NGramTrie, SamplingParams
-from lookahead.cpu.extension import FastPathUnavailable, load_extension
-from lookahead.cpu.packed_linear import PackedLinear, _pack_columns, exact_int8_blocks
+from lookahead.cpu import apply_fast_path
+from lookahead.cpu import extension as extension_module
+from lookahead.cpu.extension import (
+    VARIANT_ENV,
+    FastPathUnavailable,
+    Variant,
+    load_extension,
+    runnable_variants,
+)
+from lookahead.cpu.integer_forms import exact_integer_form
+from lookahead.cpu.packed_linear import PackedLinear, _pack_columns
 from lookahead.models.loading import apply_execution_path
 from tests.helpers import CPU_VARIANTS, plain_greedy, repetitive_prompt
 
 
 @pytest.fixture(params=CPU_VARIANTS)
-def extension(request: pytest.FixtureRequest) -> Any:
+def variant(request: pytest.FixtureRequest) -> Variant:
     """Each variant of the kernel this CPU runs."""
-    return load_extension(request.param)
+    return request.param
+
+
+@pytest.fixture
+def extension(variant: Variant) -> Any:
+    return load_extension(variant)
 
 
 def apply_linear_kernel(model: nn.Module, kernel: str) -> str:
@@ -75,35 +93,98 @@ def test_each_rows_result_does_not_depend_on_the_other_rows(form: str, extension
     assert torch.equal(torch.stack([packed(row[None])[0] for row in x]), together)
 
 
-@pytest.mark.parametrize("bits", [4, 8])
-def test_integer_forms_rebuild_dequantised_weights_bit_for_bit(bits: int, extension) -> None:
-    weight = dequantised(64, 96, bits, seed=bits)
-    blocks = exact_int8_blocks(weight)
-    assert blocks is not None
-    q, d, m = blocks
-    assert d.dtype == m.dtype == torch.float16
-    rebuilt = d.float().repeat_interleave(32, dim=1) * q.float() + m.float().repeat_interleave(32, dim=1)
+def gguf_dequantised(quantisation: str, rows: int, inputs: int, seed: int) -> torch.Tensor:
+    """fp32 weights exactly as gguf's own dequantiser (which transformers loads GGUF files with)
+    makes them from random blocks of a ggml quantisation type, its scales fp16 values of a
+    realistic size, with the signs and ranges ggml's quantisers give them."""
+    kind = GGMLQuantizationType[quantisation]
+    block_inputs, block_bytes = GGML_QUANT_SIZES[kind]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, size=(rows, inputs // block_inputs, block_bytes), dtype=np.uint8)
+    halves = rng.uniform(1e-4, 2e-2, size=raw.shape[:2] + (2,)) * rng.choice(
+        [-1, 1], size=raw.shape[:2] + (2,)
+    )
+    halves = halves.astype(np.float16).view(np.uint8).reshape(*raw.shape[:2], 4)
+    if quantisation == "Q4_K":  # d and dmin lead the block, both positive in ggml's quantiser
+        raw[..., :4] = np.abs(halves.view(np.float16)).view(np.uint8)
+    elif quantisation == "Q6_K":  # d ends the block
+        raw[..., -2:] = halves[..., :2]
+    elif quantisation == "Q4_1":  # d >= 0 and m lead the block; q spans 0..15, min and max define d
+        raw[..., :2] = np.abs(halves[..., :2].view(np.float16)).view(np.uint8)
+        raw[..., 2:4] = halves[..., 2:4]
+        raw[..., 4] &= 0xF0
+        raw[..., 5] |= 0x0F
+    elif quantisation == "Q8_0":  # d leads the block; |q| <= 127, the largest one 127
+        raw[..., :2] = halves[..., :2]
+        q = raw[..., 2:].view(np.int8)
+        q[q == -128] = -127
+        q[..., 0] = 127
+    else:  # Q5_0: d leads the block; the value of largest magnitude gets q - 16 = -16
+        raw[..., :2] = halves[..., :2]
+        raw[..., 2] &= 0xFE  # the high bit of value 0
+        raw[..., 6] &= 0xF0  # its low nibble
+    weights = dequantize(raw.reshape(rows, -1), kind)
+    return torch.from_numpy(np.ascontiguousarray(weights, dtype=np.float32))
+
+
+# ggml type -> (inputs per scale, scale dtype, integer form)
+QUANTISATIONS = {
+    "Q4_1": (32, torch.float16, "int4"),
+    "Q8_0": (32, torch.float16, "int8"),
+    "Q5_0": (32, torch.float16, "int8"),
+    "Q4_K": (32, torch.float32, "int4"),
+    "Q6_K": (16, torch.float32, "int8"),
+}
+
+
+@pytest.mark.parametrize("quantisation", list(QUANTISATIONS))
+def test_integer_forms_rebuild_ggml_dequantised_weights_bit_for_bit(quantisation: str, extension) -> None:
+    weight = gguf_dequantised(quantisation, 48, 512, seed=len(quantisation))
+    form = exact_integer_form(weight)
+    assert form is not None
+    group, scale_dtype, kind = QUANTISATIONS[quantisation]
+    assert (form.group, form.d.dtype, form.m.dtype) == (group, scale_dtype, scale_dtype)
+    # The kernel's rebuild: one rounding of d * q + m (exact in float64 for these sizes).
+    d64, m64 = (t.double().repeat_interleave(group, dim=1) for t in (form.d, form.m))
+    rebuilt = (d64 * form.q.double() + m64).float()
     assert torch.equal(rebuilt.view(torch.int32), weight.view(torch.int32))
     packed = packed_from(weight, extension)
-    assert packed.weights.form == f"int{bits}"
-    assert packed.weights.q_packed.numel() == 64 * 96 * bits // 8  # a byte, or half a byte, per weight
+    assert packed.weights.form == kind
+    per_weight = 1 if kind == "int8" else 0.5
+    assert packed.weights.q_packed.numel() == 48 * 512 * per_weight
     # The kernel on the integer form returns exactly what it returns on the fp32 form, with weights
-    # rebuilt as they stream (few row tiles) or once per group of blocks (many, here 10).
+    # rebuilt as they stream (few row tiles) or once per group of blocks (many).
+    fp32 = extension.PackedMatrix("fp32", _pack_columns(weight), None, None, None, 48)
     for rows in (1, 9, 30, 120):
-        x = torch.randn(rows, 96)
-        assert torch.equal(packed(x), extension.fp32_linear(x, _pack_columns(weight), 64)), f"{rows} rows"
+        x = torch.randn(rows, 512)
+        assert torch.equal(packed(x), fp32(x)), f"{rows} rows"
+
+
+def test_zeros_keep_their_signs_or_the_matrix_stays_fp32() -> None:
+    weight = gguf_dequantised("Q8_0", 4, 64, seed=3)
+    weight[1, 32:] = torch.tensor([-0.0, 0.0] * 16)  # a group of zeros of both signs: d = -0.0, q = +-1
+    weight[2, 3], weight[2, 4] = -0.0, 0.0
+    assert exact_integer_form(weight[:2]) is not None
+    # In a group with other values every zero is d * 0 and has the sign of d: mixed signs cannot be.
+    assert exact_integer_form(weight) is None
+    rebuilt = exact_integer_form(weight[:2])
+    d = rebuilt.d.double().repeat_interleave(32, dim=1)
+    values = (d * rebuilt.q.double() + rebuilt.m.double().repeat_interleave(32, dim=1)).float()
+    assert torch.equal(values.view(torch.int32), weight[:2].view(torch.int32))
 
 
 def test_ordinary_weights_stay_fp32() -> None:
-    assert exact_int8_blocks(torch.randn(32, 64)) is None
-    assert exact_int8_blocks(dequantised(16, 64, 4, seed=0)[:, :48]) is None  # inputs not a multiple of 32
-    almost = dequantised(16, 64, 4, seed=0)
+    assert exact_integer_form(torch.randn(32, 64)) is None
+    q41 = gguf_dequantised("Q4_1", 16, 64, seed=0)
+    assert exact_integer_form(q41[:, :48]) is None  # inputs not a multiple of 32 (nor of 16, for Q4_1)
+    almost = q41.clone()
     almost[3, 7] = torch.nextafter(almost[3, 7], torch.tensor(1.0))  # one weight off by one ulp
-    assert exact_int8_blocks(almost) is None
-    # Q4_1-shaped, but with an offset half precision cannot hold (the kernel reads fp16 scales)
+    assert exact_integer_form(almost) is None
+    # Q4_1-shaped, with a scale and an offset half precision cannot hold: fp32 scales
     q = torch.randint(0, 16, (16, 2, 32), generator=torch.Generator().manual_seed(0)).float()
     q[..., 0], q[..., 1] = 0, 15
-    assert exact_int8_blocks((2**-7 * q - 0.1).reshape(16, 64)) is None
+    fp32_scales = exact_integer_form((2**-7 * q * (1 + 2**-20) - 0.1).reshape(16, 64))
+    assert fp32_scales is not None and fp32_scales.d.dtype == torch.float32 and fp32_scales.nibbles
 
 
 def test_kernel_choice_and_its_errors(tiny_model) -> None:
@@ -112,13 +193,53 @@ def test_kernel_choice_and_its_errors(tiny_model) -> None:
     half = tiny_model("llama").to(torch.bfloat16)
     with pytest.raises(FastPathUnavailable, match="fp32 only, not bfloat16"):
         apply_linear_kernel(half, "packed")
-    assert apply_linear_kernel(half, "auto") == "stock"
+    assert apply_execution_path(half, "auto")[:2] == (
+        "stock",
+        "stock linear layers (the packed kernel is fp32 only, not bfloat16)",
+    )
     assert not any(isinstance(module, PackedLinear) for module in half.modules())
+
+
+def test_auto_packs_every_linear_layer_on_the_chosen_variant(
+    variant: Variant, tiny_model, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(VARIANT_ENV, variant.name)
     model = tiny_model("qwen2")  # attention projections with biases
-    assert apply_linear_kernel(model, "auto") == "packed"
+    assert apply_execution_path(model, "auto")[:2] == ("packed", f"packed {variant.name} kernel, lean layers")
     linears = [module for module in model.modules() if isinstance(module, nn.Linear)]
     assert linears == []
     assert sum(isinstance(module, PackedLinear) for module in model.modules()) == 2 * 7 + 1
+
+
+@pytest.mark.parametrize(
+    ("machine", "flags", "reason"),
+    [
+        ("aarch64", {"neon"}, "the fast CPU path needs an x86-64 CPU, this one is aarch64"),
+        ("x86_64", {"sse4_2", "avx"}, "avx2+f16c+fma; this one has none of them"),
+        ("x86_64", {"avx2", "fma"}, "avx2+f16c+fma; this one has avx2+fma"),
+    ],
+)
+def test_a_cpu_without_either_set_gets_the_stock_layers_and_the_reason(
+    machine: str, flags: set[str], reason: str, tiny_model, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(extension_module.platform, "machine", lambda: machine)
+    monkeypatch.setattr(extension_module, "cpu_flags", lambda: frozenset(flags))
+    model = tiny_model("llama")
+    kernel, execution, prior = apply_execution_path(model, "auto")
+    assert (kernel, prior) == ("stock", None)
+    assert execution.startswith("stock linear layers (") and reason in execution
+    with pytest.raises(FastPathUnavailable, match=re.escape(reason)):
+        apply_execution_path(model, "packed")
+
+
+def test_a_forced_variant_must_exist_and_run(tiny_model, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(VARIANT_ENV, "avx9")
+    with pytest.raises(FastPathUnavailable, match="unknown CPU variant 'avx9': one of avx512, avx2"):
+        apply_execution_path(tiny_model("llama"), "packed")
+    monkeypatch.setenv(VARIANT_ENV, "avx512")
+    monkeypatch.setattr(extension_module, "cpu_flags", lambda: frozenset({"avx2", "fma", "f16c"}))
+    with pytest.raises(FastPathUnavailable, match="LOOKAHEAD_CPU_VARIANT=avx512: this CPU cannot run it"):
+        apply_execution_path(tiny_model("llama"), "packed")
 
 
 def quantise_in_place(model: nn.Module, bits: int) -> None:
@@ -129,11 +250,13 @@ def quantise_in_place(model: nn.Module, bits: int) -> None:
 
 
 @pytest.mark.parametrize("weights", ["fp32", "int8", "int4"])
-def test_lookahead_on_the_packed_path_is_lossless(weights: str, tiny_model, byte_tokenizer) -> None:
+def test_lookahead_on_the_packed_path_is_lossless(
+    weights: str, variant: Variant, tiny_model, byte_tokenizer
+) -> None:
     model = tiny_model("llama", tie_word_embeddings=False)
     if weights != "fp32":
         quantise_in_place(model, int(weights[3:]))
-    apply_linear_kernel(model, "packed")
+    apply_fast_path(model, "packed", variant)
     packed = [module for module in model.modules() if isinstance(module, PackedLinear)]
     assert packed and all(module.weights.form == weights for module in packed)
     model.generation_config.eos_token_id = None  # both decode all 24 tokens, whatever they are
@@ -179,3 +302,17 @@ def test_fused_siblings_share_one_product_but_never_a_stale_one(tiny_model) -> N
     for name in ("q_proj", "k_proj", "v_proj"):
         getattr(attention, name)(hidden)
     assert attention.q_proj.weights._shared is None
+
+
+@pytest.mark.skipif(len(runnable_variants()) < 2, reason="this CPU runs only one variant of the kernel")
+@pytest.mark.parametrize("form", ["fp32", "int8", "int4"])
+def test_every_variant_computes_the_same_bits(form: str) -> None:
+    weight = torch.randn(300, 192) if form == "fp32" else dequantised(300, 192, int(form[3:]), seed=7)
+    x = torch.randn(70, 192)
+    results = []
+    for runnable in runnable_variants():
+        packed = packed_from(weight, load_extension(runnable))
+        assert packed.weights.form == form
+        results.append([packed(x[:rows]) for rows in (1, 2, 3, 5, 8, 13, 70)])
+    for other in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(results[0], other))

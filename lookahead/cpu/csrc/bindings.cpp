@@ -1,6 +1,7 @@
 // The Python module of the fast CPU path (lookahead/cpu/extension.py builds one per variant):
-// packed matrices, lean layers, the pool step of the layer stack, the fp32 kernel.
+// packed matrices, lean layers, the pool step of the layer stack.
 #include "lean_layer.h"
+#include "simd.h"
 
 namespace {
 
@@ -10,8 +11,8 @@ PackedMatrix packed_matrix(const std::string& form, torch::Tensor weights, std::
   TORCH_CHECK(form == "fp32" || form == "int8" || form == "int4", "unknown packed form ", form);
   const Form kind = form == "fp32" ? Form::kFp32 : form == "int8" ? Form::kInt8 : Form::kInt4;
   TORCH_CHECK(kind == Form::kFp32 || (d && m), "an integer form needs its scales");
-  return {kind, std::move(weights), d.value_or(torch::Tensor()), m.value_or(torch::Tensor()),
-          bias.value_or(torch::Tensor()), N};
+  return PackedMatrix(kind, std::move(weights), d.value_or(torch::Tensor()), m.value_or(torch::Tensor()),
+                      bias.value_or(torch::Tensor()), N);
 }
 
 using NormWeights = std::pair<torch::Tensor, double>;  // (weight, eps), as Python passes them
@@ -28,8 +29,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   // response thread) run while a forward computes. Every class is local to its module, so that
   // several variants of the extension load side by side in one process.
   using ReleaseGil = pybind11::call_guard<pybind11::gil_scoped_release>;
-  module.def("fp32_linear", &fp32_linear, "x @ W^T, W packed [N/16, K, 16] (the reference the tests compare with)",
-             ReleaseGil());
+  module.attr("instruction_set") = kInstructionSet;
   pybind11::class_<PackedMatrix>(module, "PackedMatrix", pybind11::module_local())
       .def(pybind11::init(&packed_matrix), pybind11::arg("form"), pybind11::arg("weights"), pybind11::arg("d"),
            pybind11::arg("m"), pybind11::arg("bias"), pybind11::arg("N"))

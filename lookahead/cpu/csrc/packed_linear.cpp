@@ -1,45 +1,43 @@
-// y = x @ W^T in fp32 on AVX-512 CPUs, fast for the few rows a decoding step feeds.
+// y = x @ W^T in fp32 on x86-64 CPUs (AVX-512, or AVX2 + FMA + F16C: simd.h), fast for the few
+// rows a decoding step feeds.
 //
 // Stock sgemm re-packs the weight matrix on every call, so a forward over 2-64 rows streams the
 // weights twice and costs ~2x a one-row forward. Here the weights are packed once, at load, into
-// column blocks of 16 outputs laid out [block][k][16]: one 512-bit weight vector per k feeds
-// every row of a tile, and the next block pair is prefetched into L2 while this one computes.
+// column blocks of 16 outputs laid out [block][k][16]: sixteen lanes (F32x16) per k feed every row
+// of a tile, and the next block group is prefetched into L2 while this one computes.
 //
 // Weights come in three forms with the same values. Fp32Weights holds them as they are.
 // Int8Weights and Int4Weights hold weights that are exactly fl(fl(d * q) + m) for an integer q
-// and one fp16 (d, m) per 32 inputs, as a model dequantised from an 8- or 4-bit checkpoint is:
-// the kernel rebuilds every weight bit for bit (one fused multiply-add, exact here: see
-// ScaleRegisters) from 1.125 bytes (q in a byte) or 0.625 bytes (q in 0..15, two per byte)
-// rather than 4, and memory bandwidth is what bounds a decoding step on a CPU.
+// and one (d, m) per 16 or 32 inputs, fp16 or fp32, as a model dequantised from a 4- to 8-bit checkpoint
+// is: the kernel rebuilds every weight bit for bit (one fused multiply-add, exact where d * q is:
+// see ScaleRegisters) from 1 byte (q in a byte) or half a byte (q in 0..15, two per byte) plus
+// the scales, rather than 4, and memory bandwidth is what bounds a decoding step on a CPU.
 //
 // Every output is the same sequential fused multiply-add chain over k whatever the number of
-// rows or the weight form, so a token's logits do not depend on how many tokens share its
-// forward: verifying a draft reproduces plain decoding bit for bit.
+// rows, the weight form or the instruction set, so a token's logits do not depend on how many
+// tokens share its forward: verifying a draft reproduces plain decoding bit for bit.
 #include "packed_linear.h"
 
 #include <ATen/Parallel.h>
-#include <immintrin.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <type_traits>
 #include <vector>
 
+#include "simd.h"
+
 namespace {
 
-constexpr int64_t kLanes = 16;    // outputs per packed block: one zmm register
-constexpr int64_t kGroup = 32;    // inputs sharing one (d, m) in Int8Weights and Int4Weights
-constexpr int64_t kBlocks = 2;    // blocks per tile
-constexpr int64_t kFewRows = 4, kWideBlocks = 4;  // up to 4 rows: 4 blocks per tile
-constexpr int64_t kMaxRows = 12;  // 12 rows x 2 blocks = 24 accumulators, room left for the weights
+constexpr int64_t kLanes = 16;  // outputs per packed block
 // From this many row tiles on (a prefill), int8 and int4 blocks are rebuilt once per group rather
 // than in every tile; at a few tiles writing and re-reading the rebuilt copy costs more than it saves.
 constexpr int64_t kRebuildTiles = 8;
 
 // Every form loads the weights of k + H for an even k and H = 0 or 1 (a compile-time constant),
 // so that Int4Weights knows which half of a byte it wants, and prefetches the lines a pair of
-// k's reads. The integer forms rebuild weights from scales held in registers for a span of 32
-// inputs (`group`); fp32 has no scales, and one span covers all of K.
+// k's reads. The integer forms rebuild weights from scales held in registers for a span of 16 or
+// 32 inputs (`group`); fp32 has no scales, and one span covers all of K.
 struct Fp32Weights {
   const float* w;  // [blocks][K][16]
   int64_t K;
@@ -52,66 +50,80 @@ struct Fp32Weights {
   template <int Blocks>
   Group<Blocks> group(int64_t) const { return {}; }
   template <int H, class G>
-  __m512 load(int64_t j, int64_t k, const G&) const { return _mm512_loadu_ps(w + (j * K + k + H) * kLanes); }
+  F32x16 load(int64_t j, int64_t k, const G&) const { return F32x16::load(w + (j * K + k + H) * kLanes); }
   void prefetch(int64_t j, int64_t k) const {
     for (int64_t h = 0; h < 2; ++h)
       _mm_prefetch(reinterpret_cast<const char*>(w + (j * K + k + h) * kLanes), _MM_HINT_T1);
   }
 };
 
-// The (d, m) of Blocks blocks for one span of 32 inputs, widened from fp16.
+// The (d, m) of Blocks blocks for one span of 32 inputs, widened to fp32.
 template <int Blocks>
 struct ScaleRegisters {
-  __m512 d[Blocks], m[Blocks];
+  F32x16 d[Blocks], m[Blocks];
 
-  // fl(fl(d * q) + m) in one instruction: d has at most 11 significant bits (fp16) and |q| <= 255
-  // at most 8, so d * q is exact in fp32 and rounding d * q + m once gives the very same bits.
-  __m512 rebuild(int j, __m512 q) const { return _mm512_fmadd_ps(d[j], q, m[j]); }
+  // fl(fl(d * q) + m) in one instruction wherever d * q is exact in fp32: always for an fp16 d (at
+  // most 11 significant bits) and |q| <= 255 (8 bits); for fp32 scales lookahead.cpu.packed_linear
+  // keeps an integer form only where every product is exact.
+  F32x16 rebuild(int j, const F32x16& q) const { return F32x16::fmadd(d[j], q, m[j]); }
 };
 
-// One fp16 (d, m) per 32 inputs: [blocks][K / 32][16] each.
+// One (d, m) per `group` inputs (16 or 32): [blocks][K / group][16] each; Scale is uint16_t (fp16
+// bits) or float.
+template <class Scale>
 struct Scales {
-  const uint16_t* d;
-  const uint16_t* m;
+  const Scale* d;
+  const Scale* m;
+  int64_t group;
 
   Scales at(int64_t block, int64_t K) const {
-    const int64_t offset = block * (K / kGroup) * kLanes;
-    return {d + offset, m + offset};
+    const int64_t offset = block * (K / group) * kLanes;
+    return {d + offset, m + offset, group};
+  }
+  static F32x16 widen(const Scale* p) {
+    if constexpr (std::is_same_v<Scale, float>)
+      return F32x16::load(p);
+    else
+      return F32x16::from_half(p);
   }
   template <int Blocks>
-  ScaleRegisters<Blocks> group(int64_t K, int64_t k) const {
+  ScaleRegisters<Blocks> registers(int64_t K, int64_t k) const {
     ScaleRegisters<Blocks> registers;
 #pragma GCC unroll 16
     for (int j = 0; j < Blocks; ++j) {
-      const int64_t offset = (j * (K / kGroup) + k / kGroup) * kLanes;
-      registers.d[j] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(d + offset)));
-      registers.m[j] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(m + offset)));
+      const int64_t offset = (j * (K / group) + k / group) * kLanes;
+      registers.d[j] = widen(d + offset);
+      registers.m[j] = widen(m + offset);
     }
     return registers;
   }
 };
 
 // What Int8Weights and Int4Weights share: K inputs whose spans of 32 have their own scales.
+template <class Scale>
 struct ScaledWeights {
-  Scales scales;
+  Scales<Scale> scales;
   int64_t K;
 
   template <int Blocks>
   using Group = ScaleRegisters<Blocks>;
 
-  int64_t span() const { return kGroup; }
+  int64_t span() const { return scales.group; }
   template <int Blocks>
-  Group<Blocks> group(int64_t k) const { return scales.group<Blocks>(K, k); }
+  Group<Blocks> group(int64_t k) const { return scales.template registers<Blocks>(K, k); }
 };
 
-struct Int8Weights : ScaledWeights {
+template <class Scale>
+struct Int8Weights : ScaledWeights<Scale> {
+  using ScaledWeights<Scale>::K;
+  using ScaledWeights<Scale>::scales;
   const int8_t* q;  // [blocks][K][16]
 
   Int8Weights at(int64_t block) const { return {{scales.at(block, K), K}, q + block * K * kLanes}; }
   template <int H, class G>
-  __m512 load(int64_t j, int64_t k, const G& group) const {
+  F32x16 load(int64_t j, int64_t k, const G& group) const {
     const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + (j * K + k + H) * kLanes));
-    return group.rebuild(j, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes)));
+    return group.rebuild(j, F32x16::from_int8(bytes));
   }
   void prefetch(int64_t j, int64_t k) const {
     if (k % 4 == 0)  // a cache line holds 4 k's of int8 weights
@@ -119,16 +131,19 @@ struct Int8Weights : ScaledWeights {
   }
 };
 
-struct Int4Weights : ScaledWeights {
+template <class Scale>
+struct Int4Weights : ScaledWeights<Scale> {
+  using ScaledWeights<Scale>::K;
+  using ScaledWeights<Scale>::scales;
   const uint8_t* q;  // [blocks][K / 2][16]: q of k in the low nibble, of k + 1 in the high one
 
   Int4Weights at(int64_t block) const { return {{scales.at(block, K), K}, q + block * (K / 2) * kLanes}; }
   template <int H, class G>
-  __m512 load(int64_t j, int64_t k, const G& group) const {
+  F32x16 load(int64_t j, int64_t k, const G& group) const {
     __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + (j * (K / 2) + k / 2) * kLanes));
     if constexpr (H == 1) bytes = _mm_srli_epi16(bytes, 4);
     bytes = _mm_and_si128(bytes, _mm_set1_epi8(0x0F));
-    return group.rebuild(j, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes)));
+    return group.rebuild(j, F32x16::from_uint8(bytes));
   }
   void prefetch(int64_t j, int64_t k) const {
     if (k % 8 == 0)  // a cache line holds 8 k's of int4 weights
@@ -139,22 +154,22 @@ struct Int4Weights : ScaledWeights {
 template <int Rows, int Blocks, class Weights>
 inline void tile(const float* x, const Weights& w, float* y, int64_t ldy, int64_t n0, int64_t N, const Weights* next) {
   const int64_t K = w.K;
-  __m512 acc[Rows][Blocks];
+  F32x16 acc[Rows][Blocks];
 #pragma GCC unroll 16
   for (int r = 0; r < Rows; ++r)
 #pragma GCC unroll 16
-    for (int j = 0; j < Blocks; ++j) acc[r][j] = _mm512_setzero_ps();
+    for (int j = 0; j < Blocks; ++j) acc[r][j] = F32x16::zero();
   // The step for input k + H; k advances by pairs, so Int4Weights' nibble choice is a constant.
   auto step = [&](int64_t k, const auto& group, auto h) {
     constexpr int H = decltype(h)::value;
-    __m512 wk[Blocks];
+    F32x16 wk[Blocks];
 #pragma GCC unroll 16
     for (int j = 0; j < Blocks; ++j) wk[j] = w.template load<H>(j, k, group);
 #pragma GCC unroll 16
     for (int r = 0; r < Rows; ++r) {
-      const __m512 xr = _mm512_set1_ps(x[r * K + k + H]);
+      const F32x16 xr = F32x16::broadcast(x[r * K + k + H]);
 #pragma GCC unroll 16
-      for (int j = 0; j < Blocks; ++j) acc[r][j] = _mm512_fmadd_ps(xr, wk[j], acc[r][j]);
+      for (int j = 0; j < Blocks; ++j) acc[r][j] = F32x16::fmadd(xr, wk[j], acc[r][j]);
     }
   };
   for (int64_t k0 = 0; k0 < K; k0 += w.span()) {
@@ -174,9 +189,13 @@ inline void tile(const float* x, const Weights& w, float* y, int64_t ldy, int64_
   for (int j = 0; j < Blocks; ++j) {
     const int64_t n = n0 + j * kLanes;
     const int64_t left = N - n;
-    const __mmask16 mask = left >= kLanes ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
 #pragma GCC unroll 16
-    for (int r = 0; r < Rows; ++r) _mm512_mask_storeu_ps(y + r * ldy + n, mask, acc[r][j]);
+    for (int r = 0; r < Rows; ++r) {
+      if (left >= kLanes)
+        acc[r][j].store(y + r * ldy + n);
+      else
+        acc[r][j].store_first(y + r * ldy + n, left);
+    }
   }
 }
 
@@ -188,7 +207,9 @@ void tile_rows(int rows, const float* x, const Weights& w, float* y, int64_t ldy
   case R:            \
     return tile<R, Blocks>(x, w, y, ldy, n0, N, next);
     ROWS_CASE(1) ROWS_CASE(2) ROWS_CASE(3) ROWS_CASE(4) ROWS_CASE(5) ROWS_CASE(6)
+#if defined(__AVX512F__)
     ROWS_CASE(7) ROWS_CASE(8) ROWS_CASE(9) ROWS_CASE(10) ROWS_CASE(11) ROWS_CASE(12)
+#endif
 #undef ROWS_CASE
   }
 }
@@ -200,11 +221,11 @@ template <class Weights>
 inline Fp32Weights rebuilt(const Weights& w, int64_t blocks, float* scratch) {
   for (int64_t j = 0; j < blocks; ++j) {
     const Weights block = w.at(j);
-    for (int64_t k0 = 0; k0 < w.K; k0 += kGroup) {
+    for (int64_t k0 = 0; k0 < w.K; k0 += w.span()) {
       const auto group = block.template group<1>(k0);
-      for (int64_t k = k0; k < k0 + kGroup; k += 2) {
-        _mm512_storeu_ps(scratch + (j * w.K + k) * kLanes, block.template load<0>(0, k, group));
-        _mm512_storeu_ps(scratch + (j * w.K + k + 1) * kLanes, block.template load<1>(0, k, group));
+      for (int64_t k = k0; k < k0 + w.span(); k += 2) {
+        block.template load<0>(0, k, group).store(scratch + (j * w.K + k) * kLanes);
+        block.template load<1>(0, k, group).store(scratch + (j * w.K + k + 1) * kLanes);
       }
     }
   }
@@ -275,45 +296,64 @@ void check_packed(const torch::Tensor& t, torch::ScalarType type, int64_t dims, 
               name, " is not a packed tensor from lookahead.cpu.packed_linear");
 }
 
-Scales checked_scales(const torch::Tensor& d, const torch::Tensor& m, int64_t K) {
-  check_packed(d, torch::kHalf, 3, "d");
-  check_packed(m, torch::kHalf, 3, "m");
-  TORCH_CHECK(K % kGroup == 0 && d.sizes() == m.sizes() && d.size(1) * kGroup == K, "scale shapes");
-  return {reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>()),
-          reinterpret_cast<const uint16_t*>(m.data_ptr<at::Half>())};
+void check_scales(const torch::Tensor& d, const torch::Tensor& m, int64_t K) {
+  TORCH_CHECK(d.scalar_type() == torch::kHalf || d.scalar_type() == torch::kFloat32, "scales are fp16 or fp32");
+  check_packed(d, d.scalar_type(), 3, "d");
+  check_packed(m, d.scalar_type(), 3, "m");
+  TORCH_CHECK(d.sizes() == m.sizes() && d.size(1) > 0 && K % d.size(1) == 0, "scale shapes");
+  const int64_t group = K / d.size(1);
+  TORCH_CHECK(group == 16 || group == 32, "a group of 16 or 32 inputs shares one scale, not ", group);
 }
 
-// x: [M, K]; q: [ceil(N / 16), K, 16] int8; d, m: fp16 scales. Returns [M, N].
+template <class Scale>
+Scales<Scale> scales_of(const torch::Tensor& d, const torch::Tensor& m, int64_t K) {
+  const int64_t group = K / d.size(1);
+  if constexpr (std::is_same_v<Scale, float>)
+    return {d.data_ptr<float>(), m.data_ptr<float>(), group};
+  else
+    return {reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>()),
+            reinterpret_cast<const uint16_t*>(m.data_ptr<at::Half>()), group};
+}
+
+// x: [M, K]; q: [ceil(N / 16), K, 16] int8; d, m: fp16 or fp32 scales. Returns [M, N].
+template <class Scale>
 torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& d,
                           const torch::Tensor& m, int64_t N) {
-  check_packed(q, torch::kInt8, 3, "q");
-  const Scales scales = checked_scales(d, m, q.size(1));
-  return linear(x, Int8Weights{{scales, q.size(1)}, q.data_ptr<int8_t>()}, q.size(0), N);
+  const Int8Weights<Scale> weights{{scales_of<Scale>(d, m, q.size(1)), q.size(1)}, q.data_ptr<int8_t>()};
+  return linear(x, weights, q.size(0), N);
 }
 
 // As int8_linear with q in 0..15, two k's per byte: q: [ceil(N / 16), K / 2, 16] uint8.
+template <class Scale>
 torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& d,
                           const torch::Tensor& m, int64_t N) {
-  check_packed(q, torch::kUInt8, 3, "q");
-  const Scales scales = checked_scales(d, m, 2 * q.size(1));
-  return linear(x, Int4Weights{{scales, 2 * q.size(1)}, q.data_ptr<uint8_t>()}, q.size(0), N);
+  const Int4Weights<Scale> weights{{scales_of<Scale>(d, m, 2 * q.size(1)), 2 * q.size(1)}, q.data_ptr<uint8_t>()};
+  return linear(x, weights, q.size(0), N);
 }
 
 }  // namespace
 
-torch::Tensor fp32_linear(const torch::Tensor& x, const torch::Tensor& w, int64_t N) {
-  check_packed(w, torch::kFloat32, 3, "w");
-  return linear(x, Fp32Weights{w.data_ptr<float>(), w.size(1)}, w.size(0), N);
+PackedMatrix::PackedMatrix(Form form, torch::Tensor weights, torch::Tensor d, torch::Tensor m, torch::Tensor bias,
+                           int64_t N)
+    : form(form), weights(std::move(weights)), d(std::move(d)), m(std::move(m)), bias(std::move(bias)), N(N) {
+  if (form == Form::kFp32) {
+    check_packed(this->weights, torch::kFloat32, 3, "w");
+    return;
+  }
+  const bool int8 = form == Form::kInt8;
+  check_packed(this->weights, int8 ? torch::kInt8 : torch::kUInt8, 3, "q");
+  check_scales(this->d, this->m, (int8 ? 1 : 2) * this->weights.size(1));
 }
 
 torch::Tensor PackedMatrix::operator()(const torch::Tensor& rows) const {
   torch::Tensor y;
+  const bool half = d.defined() && d.scalar_type() == torch::kHalf;
   if (form == Form::kFp32)
-    y = fp32_linear(rows, weights, N);
+    y = linear(rows, Fp32Weights{weights.data_ptr<float>(), weights.size(1)}, weights.size(0), N);
   else if (form == Form::kInt8)
-    y = int8_linear(rows, weights, d, m, N);
+    y = half ? int8_linear<uint16_t>(rows, weights, d, m, N) : int8_linear<float>(rows, weights, d, m, N);
   else
-    y = int4_linear(rows, weights, d, m, N);
+    y = half ? int4_linear<uint16_t>(rows, weights, d, m, N) : int4_linear<float>(rows, weights, d, m, N);
   if (bias.defined()) y += bias;
   return y;
 }

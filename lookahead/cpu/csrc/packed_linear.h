@@ -4,11 +4,9 @@
 
 #include <torch/extension.h>
 
-// x: [M, K]; w: [ceil(N / 16), K, 16] fp32. Returns [M, N].
-torch::Tensor fp32_linear(const torch::Tensor& x, const torch::Tensor& w, int64_t N);
-
 // One matrix as lookahead.cpu.packed_linear.PackedWeights packs it (fp32, int8 or int4 form with
-// fp16 scales [ceil(N / 16), K / 32, 16]), callable on [M, K] rows.
+// fp16 or fp32 scales [ceil(N / 16), K / 32, 16]), callable on [M, K] rows. The constructor checks
+// the tensors' layout once.
 struct PackedMatrix {
   enum class Form { kFp32, kInt8, kInt4 };
   Form form;
@@ -17,5 +15,6 @@ struct PackedMatrix {
   torch::Tensor bias;     // undefined when the layer has none
   int64_t N;
 
+  PackedMatrix(Form form, torch::Tensor weights, torch::Tensor d, torch::Tensor m, torch::Tensor bias, int64_t N);
   torch::Tensor operator()(const torch::Tensor& rows) const;
 };
