@@ -116,6 +116,11 @@ class TritonPythonModel:
             loading = loader.submit(self._load, config, args["model_instance_name"])
             loaded, snapshots, decoder = loading.result()
         self.tokenize = loaded.tokenizer.encode
+        if config.linear_kernel == "auto" and loaded.linear_kernel == "stock" and config.device == "cpu":
+            self.logger.log_warn(
+                f"{args['model_instance_name']}: linear_kernel auto chose {loaded.execution}; the fast CPU "
+                "path runs fp32 models on x86-64 CPUs with AVX-512 or AVX2 + FMA + F16C"
+            )
         self.limits = RequestLimits(config.lookahead, config.max_prompt_tokens, config.max_output_tokens)
 
         self.metrics = None
