@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import queue
 import random
+import re
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +46,14 @@ LINEAR_KERNELS = (
 )
 # Every variant of the fast CPU path, for tests of the kernel itself.
 CPU_VARIANTS = tuple(pytest.param(v, id=v.name, marks=_cannot_run(v)) for v in VARIANTS)
+
+
+def pbtxt_parameters(model: str) -> dict[str, str]:
+    """The key/value pairs of a shipped config.pbtxt (its parameters use one line per entry)."""
+    text = (Path(__file__).resolve().parents[1] / "model_repository" / model / "config.pbtxt").read_text()
+    pairs = re.findall(r'\{ key: "([^"]+)", value: \{ string_value: "([^"]*)" \} \}', text)
+    assert len(pairs) == text.count("key:"), "every parameter must be written on one line"
+    return dict(pairs)
 
 
 def build_tiny_model(

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 import pytest
@@ -11,20 +10,13 @@ import pytest
 from backend.config import PROJECT_ROOT, STATE_DIR_ENV, BackendConfig, parse_parameters
 from lookahead.config import DecoderConfig, LookaheadConfig, TrieConfig
 from lookahead.models.embedded import DEFAULT_MODEL
+from tests.helpers import pbtxt_parameters
 
 MODEL_REPOSITORY = PROJECT_ROOT / "model_repository"
 
 
 def parse(tmp_path: Path, **parameters: str) -> BackendConfig:
     return parse_parameters(parameters, model_dir=tmp_path / "repo" / "lookahead", model_name="lookahead")
-
-
-def pbtxt_parameters(model: str) -> dict[str, str]:
-    """The key/value pairs of a shipped config.pbtxt (its parameters use one line per entry)."""
-    text = (MODEL_REPOSITORY / model / "config.pbtxt").read_text()
-    pairs = re.findall(r'\{ key: "([^"]+)", value: \{ string_value: "([^"]*)" \} \}', text)
-    assert len(pairs) == text.count("key:"), "every parameter must be written on one line"
-    return dict(pairs)
 
 
 def test_unset_parameters_take_the_defaults(tmp_path):
