@@ -19,10 +19,25 @@ The families tried, by the way their quantisers define d (ggml's block formats):
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+# Where found forms are kept, by the digest of the weights they rebuild (and matrices that have
+# none, by the same key), so that a model's later loads skip the search.
+FORMS_DIR = Path(
+    os.environ.get("LOOKAHEAD_PACKED_DIR") or Path(__file__).resolve().parents[2] / ".cache" / "packed"
+)
+# Part of every key: a search that finds more forms must not read an older search's "none".
+_SEARCH_VERSION = "1"
 
 # (d, m) candidates for groups [G, g] of weights (float64): each a pair of [G, 1] float64 tensors
 Candidates = Callable[[torch.Tensor], Iterator[tuple[torch.Tensor, torch.Tensor]]]
@@ -229,3 +244,48 @@ def _families_by_fit(sample: torch.Tensor, families: list[_Family]) -> list[_Fam
     if not bool(covered.all()):
         return None
     return sorted((f for f in families if hits[f.name]), key=lambda f: -hits[f.name])
+
+
+def cached_integer_form(weight: torch.Tensor) -> IntegerForm | None:
+    """`exact_integer_form(weight)`, kept in FORMS_DIR under the digest of the weights' bytes: a
+    content address, so an entry only ever answers for the very same matrix. An unreadable entry
+    is searched again and replaced."""
+    weight = weight.detach().contiguous()
+    digest = hashlib.blake2b(weight.numpy().view("uint8").data, digest_size=20)
+    digest.update(f"{tuple(weight.shape)} v{_SEARCH_VERSION}".encode())
+    path = FORMS_DIR / f"{digest.hexdigest()}.safetensors"
+    try:
+        return _read_form(path)
+    except (OSError, SafetensorError, KeyError, ValueError):
+        pass
+    form = exact_integer_form(weight)
+    try:
+        _write_form(path, form)
+    except OSError:
+        pass  # a read-only cache: every load searches again
+    return form
+
+
+def _read_form(path: Path) -> IntegerForm | None:
+    with open(path, "rb") as file:
+        header_length = int.from_bytes(file.read(8), "little")
+        metadata = json.loads(file.read(header_length)).get("__metadata__", {})
+    if metadata.get("form") == "none":
+        return None
+    tensors = load_file(path)
+    return IntegerForm(tensors["q"], tensors["d"], tensors["m"], int(metadata["group"]))
+
+
+def _write_form(path: Path, form: IntegerForm | None) -> None:
+    """Atomically: a concurrent reader sees the whole entry or none."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, temporary = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=".tmp", dir=path.parent)
+    os.close(handle)
+    try:
+        if form is None:
+            save_file({}, temporary, metadata={"form": "none"})
+        else:
+            save_file({"q": form.q, "d": form.d, "m": form.m}, temporary, metadata={"group": str(form.group)})
+        os.replace(temporary, path)
+    finally:
+        Path(temporary).unlink(missing_ok=True)

@@ -20,7 +20,7 @@ from types import ModuleType
 import torch
 from torch import nn
 
-from .integer_forms import exact_integer_form
+from .integer_forms import cached_integer_form
 
 _LANES = 16  # outputs per packed block, as in csrc/packed_linear.cpp
 
@@ -43,7 +43,7 @@ class PackedWeights(nn.Module):
         self.in_features = linears[0].in_features
         self.out_features = sum(linear.out_features for linear in linears)
         weight = torch.cat([linear.weight.detach() for linear in linears])
-        form = exact_integer_form(weight)
+        form = cached_integer_form(weight)
         if form is None:
             self.form = "fp32"
             self.register_buffer("weight_packed", _pack_columns(weight))

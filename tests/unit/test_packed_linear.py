@@ -15,7 +15,7 @@ from gguf.quants import dequantize
 from torch import nn
 
 from lookahead import LookaheadConfig, LookaheadDecoder, NGramTrie, SamplingParams
-from lookahead.cpu import apply_fast_path
+from lookahead.cpu import apply_fast_path, integer_forms
 from lookahead.cpu import extension as extension_module
 from lookahead.cpu.extension import (
     VARIANT_ENV,
@@ -24,7 +24,7 @@ from lookahead.cpu.extension import (
     load_extension,
     runnable_variants,
 )
-from lookahead.cpu.integer_forms import exact_integer_form
+from lookahead.cpu.integer_forms import cached_integer_form, exact_integer_form
 from lookahead.cpu.packed_linear import PackedLinear, _pack_columns
 from lookahead.models.loading import apply_execution_path
 from tests.helpers import CPU_VARIANTS, plain_greedy, repetitive_prompt
@@ -316,3 +316,31 @@ def test_every_variant_computes_the_same_bits(form: str) -> None:
         results.append([packed(x[:rows]) for rows in (1, 2, 3, 5, 8, 13, 70)])
     for other in results[1:]:
         assert all(torch.equal(a, b) for a, b in zip(results[0], other))
+
+
+def test_found_forms_are_kept_by_the_weights_digest_and_searched_again_when_unreadable(
+    tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(integer_forms, "FORMS_DIR", tmp_path)
+    quantised, ordinary = gguf_dequantised("Q4_K", 8, 256, seed=5), torch.randn(8, 256)
+    found, none = cached_integer_form(quantised), cached_integer_form(ordinary)
+    assert found is not None and none is None
+    assert len(list(tmp_path.glob("*.safetensors"))) == 2
+
+    def no_search(weight: torch.Tensor) -> None:
+        raise AssertionError("searched although the form was kept")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(integer_forms, "exact_integer_form", no_search)
+        again = cached_integer_form(quantised.clone())
+        assert cached_integer_form(ordinary) is None
+    assert again is not None and again.group == found.group
+    assert all(torch.equal(a, b) for a, b in zip((again.q, again.d, again.m), (found.q, found.d, found.m)))
+    for entry in tmp_path.glob("*.safetensors"):
+        entry.write_bytes(b"\x00" * 12)  # unreadable: searched again and replaced
+    assert cached_integer_form(quantised) is not None and cached_integer_form(ordinary) is None
+    assert all(entry.stat().st_size > 12 for entry in tmp_path.glob("*.safetensors"))
+    other = quantised.clone()
+    other[0, 0] = torch.nextafter(other[0, 0], torch.tensor(1.0))  # one bit: another entry
+    assert cached_integer_form(other) is None
+    assert len(list(tmp_path.glob("*.safetensors"))) == 3
