@@ -15,7 +15,7 @@ from transformers import CONFIG_MAPPING, AutoModelForCausalLM, DynamicCache
 from lookahead.cpu.extension import VARIANTS, runnable_variants, why_no_variant
 from lookahead.models.loading import apply_execution_path
 
-TINY_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "gemma")
+TINY_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "gemma", "glm", "glm4")
 
 _TINY_CONFIG = dict(
     vocab_size=256,
@@ -27,6 +27,8 @@ _TINY_CONFIG = dict(
     head_dim=16,
     max_position_embeddings=512,
 )
+# GLM's default pad id lies outside the tiny vocabulary.
+_ARCHITECTURE_CONFIG = {"glm": dict(pad_token_id=0), "glm4": dict(pad_token_id=0)}
 
 # Both linear kernels, for tests that must hold on each execution path.
 LINEAR_KERNELS = (
@@ -54,7 +56,9 @@ def build_tiny_model(
     up as load_model sets up a real one."""
     if architecture not in TINY_ARCHITECTURES:
         raise ValueError(f"architecture must be one of {', '.join(TINY_ARCHITECTURES)}, got {architecture!r}")
-    config = CONFIG_MAPPING[architecture](**{**_TINY_CONFIG, **config_overrides})
+    config = CONFIG_MAPPING[architecture](
+        **{**_TINY_CONFIG, **_ARCHITECTURE_CONFIG.get(architecture, {}), **config_overrides}
+    )
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     apply_execution_path(model, linear_kernel)
