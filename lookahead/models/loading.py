@@ -11,6 +11,7 @@ from __future__ import annotations
 import gc
 import hashlib
 import importlib.util
+import json
 import os
 import re
 from dataclasses import dataclass
@@ -20,9 +21,11 @@ from typing import Any
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers reads it: never reach a model hub
 
 import torch  # noqa: E402
-from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+import transformers  # noqa: E402
+from transformers import CONFIG_MAPPING, AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from ..config import LINEAR_KERNELS  # noqa: E402
+from .chatglm import MODEL_TYPE as CHATGLM_MODEL_TYPE  # noqa: E402
 from .chatglm import is_chatglm_folder, load_chatglm  # noqa: E402
 from .chatglm_tokenizer import load_chatglm_tokenizer  # noqa: E402
 from .embedded import DEFAULT_MODEL, EMBEDDED_MODELS, prepare_embedded_model  # noqa: E402
@@ -120,6 +123,7 @@ def load_model(
             raise ValueError(f"threads must be >= 1, got {threads}")
         torch.set_num_threads(threads)
     path = resolve_model_path(name_or_path)
+    _check_architecture(path)
     if is_chatglm_folder(path):
         model = load_chatglm(path, torch_dtype)
         tokenizer = load_chatglm_tokenizer(path)
@@ -147,6 +151,19 @@ def load_model(
         execution=execution,
         cost_prior=cost_prior,
     )
+
+
+def _check_architecture(folder: Path) -> None:
+    """Refuse, in one line, a folder whose architecture this transformers does not implement."""
+    try:
+        model_type = json.loads((folder / "config.json").read_text(encoding="utf-8")).get("model_type")
+    except (OSError, ValueError) as error:
+        raise ValueError(f"model folder {folder}: config.json is unreadable ({error})") from None
+    if model_type != CHATGLM_MODEL_TYPE and model_type not in CONFIG_MAPPING:
+        raise ValueError(
+            f"model folder {folder}: architecture {model_type!r} is not implemented by transformers "
+            f"{transformers.__version__} (code shipped in a model folder is never run)"
+        )
 
 
 def _auto_tokenizer(folder: Path) -> Any | None:
