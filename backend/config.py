@@ -20,6 +20,8 @@ from lookahead.config import LINEAR_KERNELS, DecoderConfig, LookaheadConfig, Tri
 from lookahead.models.embedded import DEFAULT_MODEL
 from lookahead.models.loading import DTYPES
 
+from .launcher import MODEL_ENV  # when set, replaces every model's `model` parameter
+
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 # Folder holding each model's default trie_state_dir (<folder>/<model>); default <repo>/.state.
 STATE_DIR_ENV = "LOOKAHEAD_STATE_DIR"
@@ -86,6 +88,8 @@ def parse_parameters(
     """
     repository = model_dir.resolve().parent
     values: dict[tuple[str, ...], Any] = {}
+    if os.environ.get(MODEL_ENV, "").strip():
+        parameters = {**parameters, "model": os.environ[MODEL_ENV]}
     for name, (where, parser) in PARAMETERS.items():
         raw = parameters.get(name, "").strip()
         if not raw or (raw.startswith("${") and raw.endswith("}")):

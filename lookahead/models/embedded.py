@@ -26,8 +26,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
 _REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -289,6 +287,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path, eos_token_ids: tuple[int, ...] 
     1.5B model is 7 GB in fp32) to a model built on the meta device from the same config minus
     quantization_config.
     """
+    import torch
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
