@@ -116,6 +116,7 @@ class TritonPythonModel:
             loading = loader.submit(self._load, config, args["model_instance_name"])
             loaded, snapshots, decoder = loading.result()
         self.tokenize = loaded.tokenizer.encode
+        self.stop_word_ids = decoder.stop_word_ids
         self.limits = RequestLimits(config.lookahead, config.max_prompt_tokens, config.max_output_tokens)
 
         self.metrics = None
@@ -151,7 +152,9 @@ class TritonPythonModel:
                 self.responses.put(Update.failed(state, FailureCode.UNAVAILABLE, ENGINE_STOPPED))
                 continue
             try:
-                state.request = parse_request(TritonInputs(request), self.limits, self.tokenize)
+                state.request = parse_request(
+                    TritonInputs(request), self.limits, self.tokenize, self.stop_word_ids
+                )
             except RequestError as error:
                 self.responses.put(Update.failed(state, FailureCode.INVALID_ARG, str(error)))
                 continue
