@@ -107,6 +107,9 @@ def tree_logits(model: Any, prefix: list[int], tree: list[int], parents: list[in
 class ByteTokenizer:
     """Token id = one byte (vocab 256), so multi-byte UTF-8 characters span several tokens."""
 
+    pad_token_id = None
+    eos_token_id = None
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return bytes(ids).decode("utf-8", errors="replace")
 
