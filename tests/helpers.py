@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import queue
 import random
 from pathlib import Path
@@ -14,6 +15,10 @@ from transformers import CONFIG_MAPPING, AutoModelForCausalLM, DynamicCache
 
 from lookahead.cpu.extension import VARIANTS, runnable_variants, why_no_variant
 from lookahead.models.loading import apply_execution_path
+
+# Where the tiny models run: scripts/gpu_check.sh runs the lossless tests with cuda, in fp32 and bf16.
+TEST_DEVICE = os.environ.get("LOOKAHEAD_TEST_DEVICE", "cpu")
+TEST_DTYPE = getattr(torch, os.environ.get("LOOKAHEAD_TEST_DTYPE", "float32"))
 
 TINY_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "gemma", "glm", "glm4")
 
@@ -30,10 +35,19 @@ _TINY_CONFIG = dict(
 # GLM's default pad id lies outside the tiny vocabulary.
 _ARCHITECTURE_CONFIG = {"glm": dict(pad_token_id=0), "glm4": dict(pad_token_id=0)}
 
-# Both linear kernels, for tests that must hold on each execution path.
+# Both linear kernels, for tests that must hold on each execution path (packed: fp32 on the CPU).
 LINEAR_KERNELS = (
     "stock",
-    pytest.param("packed", marks=pytest.mark.skipif(not runnable_variants(), reason=why_no_variant())),
+    pytest.param(
+        "packed",
+        marks=[
+            pytest.mark.skipif(not runnable_variants(), reason=why_no_variant()),
+            pytest.mark.skipif(
+                TEST_DEVICE != "cpu" or TEST_DTYPE != torch.float32,
+                reason="the packed kernel is fp32 on the CPU",
+            ),
+        ],
+    ),
 )
 
 # Every variant of the fast CPU path; one this CPU cannot run is skipped with the reason.
@@ -52,8 +66,8 @@ CPU_VARIANTS = tuple(
 def build_tiny_model(
     architecture: str = "llama", linear_kernel: str = "stock", **config_overrides: Any
 ) -> Any:
-    """A float32 model in eval mode whose weights depend only on the architecture and config, set
-    up as load_model sets up a real one."""
+    """A model in eval mode whose weights depend only on the architecture and config, set up as
+    load_model sets up a real one: float32 on the CPU, unless LOOKAHEAD_TEST_DEVICE/DTYPE say otherwise."""
     if architecture not in TINY_ARCHITECTURES:
         raise ValueError(f"architecture must be one of {', '.join(TINY_ARCHITECTURES)}, got {architecture!r}")
     config = CONFIG_MAPPING[architecture](
@@ -61,13 +75,14 @@ def build_tiny_model(
     )
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    model.to(TEST_DEVICE, TEST_DTYPE)
     apply_execution_path(model, linear_kernel)
     return model
 
 
 def plain_greedy(model: Any, prompt: list[int], max_tokens: int) -> list[int]:
     """transformers' own greedy generate(): the reference every lossless test compares with."""
-    ids = torch.tensor([prompt])
+    ids = torch.tensor([prompt], device=model.device)
     out = model.generate(
         ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, do_sample=False, pad_token_id=0
     )
