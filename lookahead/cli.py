@@ -30,7 +30,10 @@ class UsageError(ValueError):
 
 def prepare(args: argparse.Namespace) -> int:
     """Convert embedded models into the cache and build the fast CPU path's kernels."""
-    for name in args.models:
+    unknown = [name for name in args.models if name not in EMBEDDED_MODELS]
+    if unknown:
+        raise UsageError(f"unknown embedded models {unknown}: choose from {', '.join(EMBEDDED_MODELS)}")
+    for name in args.models or [DEFAULT_MODEL]:
         print(f"{name}: {prepare_embedded_model(name)}")
     if importlib.util.find_spec("lookahead.cpu") is None:
         print(f"fast CPU path: {NO_FAST_PATH}")
@@ -174,8 +177,6 @@ def build_parser() -> argparse.ArgumentParser:
     preparing.add_argument(
         "models",
         nargs="*",
-        default=[DEFAULT_MODEL],
-        choices=list(EMBEDDED_MODELS),
         metavar="NAME",
         help=f"embedded models to convert (default: {DEFAULT_MODEL}; known: {', '.join(EMBEDDED_MODELS)})",
     )

@@ -159,3 +159,14 @@ def test_python_m_lookahead_runs_the_cli() -> None:
     )
     assert done.returncode == 0, done.stderr
     assert len(json.loads(done.stdout.splitlines()[-1])["token_ids"]) == 3
+
+
+def test_prepare_converts_the_default_model_unless_told_others(capsys, monkeypatch) -> None:
+    import lookahead.cli as cli
+
+    prepared: list[str] = []
+    monkeypatch.setattr(cli, "prepare_embedded_model", lambda name: prepared.append(name) or f"/cache/{name}")
+    assert main(["prepare"]) == 0
+    assert capsys.readouterr().out.startswith("smollm2-135m-instruct: /cache/smollm2-135m-instruct\n")
+    assert main(["prepare", "qwen2.5-coder-0.5b-instruct"]) == 0
+    assert prepared == ["smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct"]
