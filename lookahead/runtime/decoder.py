@@ -198,8 +198,8 @@ class LookaheadDecoder:
         self.cost.observe(len(gens) * width, elapsed)
         outputs = []
         for gen, draft, verdict in zip(gens, drafts, verdicts):
-            gen.record_verdict(draft, verdict)
             gen.stats.steps += 1
+            gen.record_verdict(draft, verdict)
             gen.stats.forward_seconds.append(elapsed)
             outputs.append(gen.commit(verdict.tokens))
         return outputs

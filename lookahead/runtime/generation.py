@@ -201,8 +201,9 @@ class Generation:
         self.stats.accepted_draft_tokens += len(verdict.accepted_nodes)
         if self.config.debug:
             origins = ", ".join(f"{name} {count}" for name, count in draft.origin_counts().items())
+            step = f"step {self.stats.steps}" if self.stats.steps else "prefill"
             self.decoder.debug_log(
-                f"lookahead request {self.request_id or id(self)} step {self.stats.steps}: draft "
+                f"lookahead request {self.request_id or id(self)} {step}: draft "
                 f"{len(draft) - 1} tokens ({origins}), accepted {len(verdict.accepted_nodes)}"
             )
 

@@ -92,7 +92,11 @@ def test_debug_logs_every_step_of_the_request(tiny_model, byte_tokenizer) -> Non
     while not generation.finished:
         generation.step()
     assert len(lines) == generation.stats.steps + 1  # the prefill and every decoding step
-    assert lines[0].startswith("lookahead request r7 step 0: draft ")
+    assert lines[0].startswith("lookahead request r7 prefill: draft ")
+    assert [line.split(":")[0] for line in lines[1:3]] == [
+        "lookahead request r7 step 1",
+        "lookahead request r7 step 2",
+    ]
     for line in lines:
         assert " tokens (copy " in line and ", request trie " in line and ", shared trie " in line
         assert ", accepted " in line
