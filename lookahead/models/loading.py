@@ -124,19 +124,19 @@ def load_model(
         torch.set_num_threads(threads)
     path = resolve_model_path(name_or_path)
     _check_architecture(path)
-    if is_chatglm_folder(path):
+    chatglm = is_chatglm_folder(path)
+    tokenizer = load_chatglm_tokenizer(path) if chatglm else _auto_tokenizer(path)
+    if tokenizer is None and require_tokenizer:
+        raise FileNotFoundError(
+            f"model folder {path} has no tokenizer (token ids work with python -m lookahead generate)"
+        )
+    if chatglm:
         model = load_chatglm(path, torch_dtype)
-        tokenizer = load_chatglm_tokenizer(path)
         if tokenizer is not None:  # a chat turn ends where the next role's token would start
             model.generation_config.eos_token_id = list(tokenizer.end_token_ids)
     else:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, local_files_only=True)
-        tokenizer = _auto_tokenizer(path)
     if tokenizer is None:
-        if require_tokenizer:
-            raise FileNotFoundError(
-                f"model folder {path} has no tokenizer (token ids work with python -m lookahead generate)"
-            )
         tokenizer = NoTokenizer(model.config.vocab_size)
     model.to(device).eval()
     kernel, execution, cost_prior = apply_execution_path(model, linear_kernel)
