@@ -20,6 +20,8 @@ from lookahead.config import LINEAR_KERNELS, DecoderConfig, LookaheadConfig, Tri
 from lookahead.models.embedded import DEFAULT_MODEL
 from lookahead.models.loading import DTYPES
 
+from .launcher import MODEL_ENV  # when set, replaces every model's `model` parameter
+
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 # Folder holding each model's default trie_state_dir (<folder>/<model>); default <repo>/.state.
 STATE_DIR_ENV = "LOOKAHEAD_STATE_DIR"
@@ -86,6 +88,8 @@ def parse_parameters(
     """
     repository = model_dir.resolve().parent
     values: dict[tuple[str, ...], Any] = {}
+    if os.environ.get(MODEL_ENV, "").strip():
+        parameters = {**parameters, "model": os.environ[MODEL_ENV]}
     for name, (where, parser) in PARAMETERS.items():
         raw = parameters.get(name, "").strip()
         if not raw or (raw.startswith("${") and raw.endswith("}")):
@@ -199,6 +203,19 @@ def _path(raw: str) -> Path:
     return Path(raw).expanduser()
 
 
+def _stop_words(raw: str) -> tuple[int | str, ...]:
+    """A JSON list of one-token strings and token ids, e.g. [",", ".", " ", 198]."""
+    try:
+        words = json.loads(raw)
+    except json.JSONDecodeError:
+        raise ValueError(f"expected a JSON list of strings and token ids, got {raw!r}") from None
+    if not isinstance(words, list) or not all(
+        (isinstance(w, int) and not isinstance(w, bool)) or isinstance(w, str) for w in words
+    ):
+        raise ValueError(f"expected a JSON list of strings and token ids, got {raw!r}")
+    return tuple(words)
+
+
 # config.pbtxt parameter -> (where its value lives in BackendConfig, parser of its string)
 PARAMETERS: dict[str, tuple[tuple[str, ...], Callable[..., Any]]] = {
     "model": (("model",), str),
@@ -212,6 +229,8 @@ PARAMETERS: dict[str, tuple[tuple[str, ...], Callable[..., Any]]] = {
     "decoding_mode": (("lookahead", "decoding_mode"), str),
     "max_query_length": (("lookahead", "max_query_length"), _int(minimum=1)),
     "adaptive": (("lookahead", "adaptive"), _bool),
+    "stop_words": (("lookahead", "stop_words"), _stop_words),
+    "debug": (("lookahead", "debug"), _bool),
     "step_token_budget": (("decoder", "step_token_budget"), _int(minimum=1)),
     "max_speculative_batch": (("decoder", "max_speculative_batch"), _int(minimum=0)),
     "prefix_cache_tokens": (("decoder", "prefix_cache_tokens"), _int(minimum=0)),

@@ -133,6 +133,7 @@ class Engine:
         on_trie_size: Callable[[int, int], None] | None = None,
     ):
         self.decoder = decoder
+        decoder.debug_log = log.log_info  # the `debug` setting's per-step lines go to the server log
         self.emit = emit
         self.log = log
         self.snapshots = snapshots
@@ -207,7 +208,9 @@ class Engine:
         for state in [s for s in self.active if s.generation is None]:
             request = state.request
             try:
-                state.generation = self.decoder.start(request.prompt_ids, request.sampling, request.lookahead)
+                state.generation = self.decoder.start(
+                    request.prompt_ids, request.sampling, request.lookahead, request_id=state.id
+                )
             except Exception as error:
                 self._fail(state, error)
         # New requests are prefilled one by one, each sending its first token at once, before the

@@ -10,6 +10,11 @@ starts an isolated interpreter (PYTHONPATH is ignored) whose sys.prefix comes fr
 reaches the stub through the environment's site-packages (scripts/bootstrap.sh installs it there).
 
     python -m backend.launcher --model-repository model_repository --http-port 8000
+    python -m backend.launcher --model qwen2.5-coder-0.5b-instruct   # every model serves the Qwen model
+
+`--model` (or $LOOKAHEAD_MODEL) replaces the `model` parameter of every model in the repository:
+an embedded model is prepared here first (installed and converted once, progress on the
+terminal), a folder is passed on as an absolute path.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from pathlib import Path
 from types import FrameType, TracebackType
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+MODEL_ENV = "LOOKAHEAD_MODEL"  # read by backend/config.py in every model instance
 BACKENDS_CACHE = REPO_ROOT / ".cache" / "triton_backends"
 LOGS_DIR = REPO_ROOT / ".cache" / "logs"
 _STUB = "triton_python_backend_stub"
@@ -283,6 +289,23 @@ def start_server(
     return server
 
 
+def model_override(value: str) -> str:
+    """The LOOKAHEAD_MODEL value for `--model`: an embedded model, prepared now, or a folder's
+    absolute path (the server's processes run elsewhere). TritonServerError when it is neither."""
+    from lookahead.models.embedded import EMBEDDED_MODELS, prepare_embedded_model
+
+    if value in EMBEDDED_MODELS:
+        prepare_embedded_model(value)
+        return value
+    folder = Path(value).expanduser()
+    if not (folder / "config.json").is_file():
+        raise TritonServerError(
+            f"--model {value!r} is neither an embedded model ({', '.join(EMBEDDED_MODELS)}) "
+            "nor a local folder with a config.json"
+        )
+    return str(folder.resolve())
+
+
 def _temporary_log() -> Path:
     handle, path = tempfile.mkstemp(prefix="tritonserver-", suffix=".log")
     os.close(handle)
@@ -320,9 +343,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="appended to (default: .cache/logs/tritonserver-<http port>.log, rewritten)",
     )
     parser.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for readiness")
+    parser.add_argument(
+        "--model",
+        default=os.environ.get(MODEL_ENV) or None,
+        help=f"serve every model of the repository on this embedded model or folder (default: ${MODEL_ENV}, "
+        "else each config.pbtxt's model parameter)",
+    )
     argv = list(sys.argv[1:] if argv is None else argv)
     split = argv.index("--") if "--" in argv else len(argv)
     args, extra = parser.parse_args(argv[:split]), argv[split + 1 :]
+    extra_env = {}
+    if args.model:
+        try:
+            extra_env[MODEL_ENV] = model_override(args.model)
+        except (TritonServerError, OSError, RuntimeError) as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+        print(f"every model of {args.model_repository} serves {extra_env[MODEL_ENV]}", flush=True)
     log_path = args.log_file or LOGS_DIR / f"tritonserver-{args.http_port}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     log_path.open("ab" if args.log_file else "wb").close()
@@ -352,6 +389,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             metrics_port=args.metrics_port,
             log_file=log_path,
             extra_args=extra,
+            extra_env=extra_env,
             ready_timeout_s=args.ready_timeout,
         )
         print(

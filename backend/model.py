@@ -121,6 +121,7 @@ class TritonPythonModel:
                 f"{args['model_instance_name']}: linear_kernel auto chose {loaded.execution}; the fast CPU "
                 "path runs fp32 models on x86-64 CPUs with AVX-512 or AVX2 + FMA + F16C"
             )
+        self.stop_word_ids = decoder.stop_word_ids
         self.limits = RequestLimits(config.lookahead, config.max_prompt_tokens, config.max_output_tokens)
 
         self.metrics = None
@@ -156,7 +157,9 @@ class TritonPythonModel:
                 self.responses.put(Update.failed(state, FailureCode.UNAVAILABLE, ENGINE_STOPPED))
                 continue
             try:
-                state.request = parse_request(TritonInputs(request), self.limits, self.tokenize)
+                state.request = parse_request(
+                    TritonInputs(request), self.limits, self.tokenize, self.stop_word_ids
+                )
             except RequestError as error:
                 self.responses.put(Update.failed(state, FailureCode.INVALID_ARG, str(error)))
                 continue

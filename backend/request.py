@@ -19,7 +19,14 @@ from lookahead.config import LookaheadConfig, SamplingParams, field_names
 
 STREAMING_ECHO_ERROR = "When streaming, `exclude_input_in_output` = False is not allowed."
 SAMPLING_KEYS = field_names(SamplingParams)
-LOOKAHEAD_OVERRIDES = ("use_lookahead", "decoding_length", "branch_length", "decoding_mode")
+LOOKAHEAD_OVERRIDES = (
+    "use_lookahead",
+    "decoding_length",
+    "branch_length",
+    "decoding_mode",
+    "stop_words",
+    "debug",
+)
 _FLAGS = (
     "stream",
     "exclude_input_in_output",
@@ -80,9 +87,14 @@ class GenerationRequest:
 
 
 def parse_request(
-    inputs: RequestInputs, limits: RequestLimits, tokenize: Callable[[str], list[int]]
+    inputs: RequestInputs,
+    limits: RequestLimits,
+    tokenize: Callable[[str], list[int]],
+    stop_word_ids: Callable[[tuple[int | str, ...]], frozenset[int]] | None = None,
 ) -> GenerationRequest:
-    """Validate every input; raise RequestError with a message naming the offending one."""
+    """Validate every input; raise RequestError with a message naming the offending one.
+
+    stop_word_ids (the decoder's) checks a request's stop_words against the tokenizer."""
     prompt = _text_input(inputs)
     flags = {name: _flag(inputs, name) for name in _FLAGS}
     stream = bool(flags["stream"])
@@ -93,6 +105,11 @@ def parse_request(
     options = _sampling_options(inputs)
     sampling = _sampling_params(options, limits.max_output_tokens)
     lookahead = _lookahead_config(options, limits.lookahead)
+    if stop_word_ids is not None:
+        try:
+            stop_word_ids(lookahead.stop_words)
+        except ValueError as error:
+            raise RequestError(str(error)) from None
 
     prompt_ids = tuple(tokenize(prompt))
     if not prompt_ids:
@@ -235,6 +252,15 @@ def _to_stop(name: str, value: Any) -> tuple[str, ...]:
     raise RequestError(f"{name} must be a string or a list of strings, got {value!r}")
 
 
+def _to_stop_words(name: str, value: Any) -> tuple[int | str, ...]:
+    words = [value] if isinstance(value, str | int) and not isinstance(value, bool) else value
+    if isinstance(words, list) and all(
+        (isinstance(w, int) and not isinstance(w, bool)) or isinstance(w, str) for w in words
+    ):
+        return tuple(words)
+    raise RequestError(f"{name} must be a list of strings and token ids, got {value!r}")
+
+
 def _to_str(name: str, value: Any) -> str:
     if isinstance(value, str):
         return value
@@ -255,4 +281,6 @@ _CONVERTERS: dict[str, Callable[[str, Any], Any]] = {
     "decoding_length": _to_int,
     "branch_length": _to_int,
     "decoding_mode": _to_str,
+    "stop_words": _to_stop_words,
+    "debug": _to_bool,
 }

@@ -42,6 +42,8 @@ REQUEST_KEYS = (
     "decoding_length",
     "branch_length",
     "decoding_mode",
+    "stop_words",
+    "debug",
 )
 DECODING_MODES = ("hier", "par", "one")
 

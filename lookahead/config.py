@@ -29,6 +29,10 @@ class LookaheadConfig:
     branch_length: most draft depth, i.e. draft tokens on any root-to-leaf path.
     max_query_length: longest context (root included) matched in the trie.
     adaptive: decode plainly when a draft is unlikely to pay for its extra forward cost.
+    stop_words: tokens (ids, or strings of one token each) at which the tries start no n-gram
+    of the output and from which alone (a one-token context) nothing is drafted, as in the
+    reference implementation (there: punctuation and spaces).
+    debug: log every step's draft size, accepted length and where the draft came from.
     """
 
     use_lookahead: bool = True
@@ -37,6 +41,8 @@ class LookaheadConfig:
     decoding_mode: str = "hier"
     max_query_length: int = 4
     adaptive: bool = True
+    stop_words: tuple[int | str, ...] = ()
+    debug: bool = False
 
     def __post_init__(self) -> None:
         _require(self.decoding_length >= 1, f"decoding_length must be >= 1, got {self.decoding_length}")
@@ -46,6 +52,14 @@ class LookaheadConfig:
             f"decoding_mode must be one of {', '.join(DECODING_MODES)}, got {self.decoding_mode!r}",
         )
         _require(self.max_query_length >= 1, f"max_query_length must be >= 1, got {self.max_query_length}")
+        _require(
+            all(
+                (isinstance(word, int) and not isinstance(word, bool) and word >= 0)
+                or (isinstance(word, str) and word)
+                for word in self.stop_words
+            ),
+            f"stop_words must hold token ids >= 0 and non-empty strings, got {list(self.stop_words)}",
+        )
 
     @property
     def drafting(self) -> bool:

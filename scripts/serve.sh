@@ -2,15 +2,19 @@
 # Serve model_repository/ with tritonserver after preparing the environment (scripts/bootstrap.sh).
 #
 #   scripts/serve.sh                                   # HTTP 8000, gRPC 8001, metrics 8002
+#   scripts/serve.sh --model qwen2.5-coder-0.5b-instruct       # every model on an embedded model
+#   LOOKAHEAD_MODEL=path/to/hf-folder scripts/serve.sh         # ... or on a local folder
 #   TRITON_HTTP_PORT=9000 scripts/serve.sh --grpc-port 9001 -- --log-verbose=1
 #
 # Ports come from TRITON_HTTP_PORT / TRITON_GRPC_PORT / TRITON_METRICS_PORT or the flags (flags
-# win); MODEL_REPOSITORY picks another repository; arguments after -- go to tritonserver.
+# win); MODEL_REPOSITORY picks another repository; --model (or LOOKAHEAD_MODEL) replaces every
+# model's `model` parameter, a relative folder read from the current directory; arguments after
+# -- go to tritonserver.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bash "$root/scripts/bootstrap.sh"
-cd "$root"
-exec .venv/bin/python -m backend.launcher \
+# No cd: a relative --model folder is the caller's (bootstrap puts the project on the venv's path).
+exec "$root/.venv/bin/python" -m backend.launcher \
     --model-repository "${MODEL_REPOSITORY:-$root/model_repository}" \
     --http-port "${TRITON_HTTP_PORT:-8000}" \
     --grpc-port "${TRITON_GRPC_PORT:-8001}" \

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import queue
 import random
 import re
@@ -17,7 +18,11 @@ from lookahead.cpu import apply_fast_path
 from lookahead.cpu.extension import VARIANTS, runnable_variants, variant_named
 from lookahead.models.loading import apply_execution_path
 
-TINY_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "gemma")
+# Where the tiny models run: scripts/gpu_check.sh runs the lossless tests with cuda, in fp32 and bf16.
+TEST_DEVICE = os.environ.get("LOOKAHEAD_TEST_DEVICE", "cpu")
+TEST_DTYPE = getattr(torch, os.environ.get("LOOKAHEAD_TEST_DTYPE", "float32"))
+
+TINY_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "gemma", "glm", "glm4")
 
 _TINY_CONFIG = dict(
     vocab_size=256,
@@ -29,6 +34,8 @@ _TINY_CONFIG = dict(
     head_dim=16,
     max_position_embeddings=512,
 )
+# GLM's default pad id lies outside the tiny vocabulary.
+_ARCHITECTURE_CONFIG = {"glm": dict(pad_token_id=0), "glm4": dict(pad_token_id=0)}
 
 
 def _cannot_run(variant: Any) -> Any:
@@ -37,12 +44,20 @@ def _cannot_run(variant: Any) -> Any:
     )
 
 
+_NOT_ON_THE_CPU = pytest.mark.skipif(
+    TEST_DEVICE != "cpu" or TEST_DTYPE != torch.float32, reason="the packed kernel is fp32 on the CPU"
+)
+
+
 # Every execution path, for tests that must hold on each: transformers' layers and every variant
 # of the fast CPU path ("packed-<variant>"). A variant this CPU cannot run is skipped with the
 # reason, and the run's summary says which variants ran (tests/conftest.py).
 LINEAR_KERNELS = (
     "stock",
-    *(pytest.param(f"packed-{v.name}", id=f"packed-{v.name}", marks=_cannot_run(v)) for v in VARIANTS),
+    *(
+        pytest.param(f"packed-{v.name}", id=f"packed-{v.name}", marks=[_cannot_run(v), _NOT_ON_THE_CPU])
+        for v in VARIANTS
+    ),
 )
 # Every variant of the fast CPU path, for tests of the kernel itself.
 CPU_VARIANTS = tuple(pytest.param(v, id=v.name, marks=_cannot_run(v)) for v in VARIANTS)
@@ -59,14 +74,17 @@ def pbtxt_parameters(model: str) -> dict[str, str]:
 def build_tiny_model(
     architecture: str = "llama", linear_kernel: str = "stock", **config_overrides: Any
 ) -> Any:
-    """A float32 model in eval mode whose weights depend only on the architecture and config, set
-    up as load_model sets up a real one. linear_kernel: "stock", "packed" (the chosen variant) or
-    "packed-<variant>"."""
+    """A model in eval mode whose weights depend only on the architecture and config, set up as
+    load_model sets up a real one: float32 on the CPU unless LOOKAHEAD_TEST_DEVICE/DTYPE say
+    otherwise. linear_kernel: "stock", "packed" (the chosen variant) or "packed-<variant>"."""
     if architecture not in TINY_ARCHITECTURES:
         raise ValueError(f"architecture must be one of {', '.join(TINY_ARCHITECTURES)}, got {architecture!r}")
-    config = CONFIG_MAPPING[architecture](**{**_TINY_CONFIG, **config_overrides})
+    config = CONFIG_MAPPING[architecture](
+        **{**_TINY_CONFIG, **_ARCHITECTURE_CONFIG.get(architecture, {}), **config_overrides}
+    )
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    model.to(TEST_DEVICE, TEST_DTYPE)
     kernel, _, variant = linear_kernel.partition("-")
     if variant:
         apply_fast_path(model, kernel, variant_named(variant))
@@ -77,7 +95,7 @@ def build_tiny_model(
 
 def plain_greedy(model: Any, prompt: list[int], max_tokens: int) -> list[int]:
     """transformers' own greedy generate(): the reference every lossless test compares with."""
-    ids = torch.tensor([prompt])
+    ids = torch.tensor([prompt], device=model.device)
     out = model.generate(
         ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, do_sample=False, pad_token_id=0
     )
@@ -117,10 +135,13 @@ def tree_logits(model: Any, prefix: list[int], tree: list[int], parents: list[in
 class ByteTokenizer:
     """Token id = one byte (vocab 256), so multi-byte UTF-8 characters span several tokens."""
 
+    pad_token_id = None
+    eos_token_id = None
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return bytes(ids).decode("utf-8", errors="replace")
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(text.encode("utf-8"))
 
 

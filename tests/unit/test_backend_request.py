@@ -276,7 +276,7 @@ class ScriptedDecoder:
         self.gate = threading.Event()  # steps wait for it; open unless a test closes it
         self.gate.set()
 
-    def start(self, prompt_ids, params, lookahead=None) -> ScriptedGeneration:
+    def start(self, prompt_ids, params, lookahead=None, request_id="") -> ScriptedGeneration:
         name = chr(prompt_ids[0])
         self.generations[name] = ScriptedGeneration(
             self.scripts[name], len(prompt_ids), self.order, name, self.gate
@@ -555,3 +555,22 @@ def wait_until(condition, timeout_s: float = 5.0) -> bool:
             return False
         time.sleep(0.01)
     return True
+
+
+def test_stop_words_and_debug_are_per_request_overrides():
+    request = parse(sampling_parameters=sampling({"stop_words": [",", 13], "debug": True}))
+    assert request.lookahead.stop_words == (",", 13) and request.lookahead.debug
+    assert parse(sampling_parameters=sampling({"stop_words": " "})).lookahead.stop_words == (" ",)
+    with pytest.raises(RequestError, match="stop_words must be a list of strings and token ids, got"):
+        parse(sampling_parameters=sampling({"stop_words": [True]}))
+
+
+def test_stop_words_the_tokenizer_cannot_resolve_are_invalid_arguments():
+    def stop_word_ids(words):
+        raise ValueError("stop_words entry 'ab' is 2 tokens [97, 98], not one")
+
+    options = DictInputs(
+        {"text_input": strings("Hi"), "sampling_parameters": sampling({"stop_words": ["ab"]})}
+    )
+    with pytest.raises(RequestError, match="stop_words entry 'ab' is 2 tokens"):
+        parse_request(options, LIMITS, tokenize, stop_word_ids)

@@ -14,9 +14,8 @@ import pytest
 
 from lookahead import LookaheadConfig, LookaheadDecoder, NGramTrie, SamplingParams
 from lookahead.algorithm.trie import NO_NODE
-from tests.helpers import LINEAR_KERNELS, plain_greedy, repetitive_prompt
+from tests.helpers import LINEAR_KERNELS, TINY_ARCHITECTURES, plain_greedy, repetitive_prompt
 
-ARCHITECTURES = ["llama", "qwen2", "qwen3", "mistral", "gemma"]
 MAX_TOKENS = 24
 
 
@@ -26,7 +25,7 @@ def make_decoder(model, tokenizer, trie: NGramTrie, mode: str) -> LookaheadDecod
 
 
 @pytest.mark.parametrize("kernel", LINEAR_KERNELS)
-@pytest.mark.parametrize("arch", ARCHITECTURES)
+@pytest.mark.parametrize("arch", TINY_ARCHITECTURES)
 def test_greedy_is_lossless_for_wrong_right_and_partial_drafts(
     arch: str, kernel: str, tiny_model, byte_tokenizer
 ) -> None:

@@ -99,3 +99,29 @@ def test_free_port_can_be_bound() -> None:
     port = free_port()
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", port))
+
+
+def test_model_override_passes_an_embedded_name_or_a_folder_as_an_absolute_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from lookahead.models import embedded
+
+    prepared: list[str] = []
+    monkeypatch.setattr(embedded, "prepare_embedded_model", prepared.append)
+    assert launcher.model_override("qwen2.5-coder-0.5b-instruct") == "qwen2.5-coder-0.5b-instruct"
+    assert prepared == ["qwen2.5-coder-0.5b-instruct"]  # converted before any instance starts
+    (tmp_path / "my-model").mkdir()
+    (tmp_path / "my-model" / "config.json").write_text("{}")
+    monkeypatch.chdir(tmp_path)
+    assert launcher.model_override("my-model") == str(tmp_path / "my-model")
+    with pytest.raises(TritonServerError, match="'no-such-model' is neither an embedded model"):
+        launcher.model_override("no-such-model")
+
+
+def test_an_unknown_model_stops_the_launcher_before_any_server_starts(
+    capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(launcher, "start_server", lambda *a, **k: pytest.fail("a server was started"))
+    monkeypatch.setenv(launcher.MODEL_ENV, "no-such-model")
+    assert launcher.main(["--http-port", str(free_port())]) == 2
+    assert "error: --model 'no-such-model' is neither an embedded model" in capsys.readouterr().err

