@@ -48,6 +48,11 @@ class LoadedModel:
     execution: str = "stock linear layers"
     cost_prior: dict[int, float] | None = None
 
+    @property
+    def vocab_size(self) -> int:
+        """Token ids the model embeds: every id a draft may carry is below this."""
+        return self.model.get_input_embeddings().num_embeddings
+
 
 def resolve_model_path(name_or_path: str) -> Path:
     """The folder to load for a model name (only the default is known) or a local path."""
