@@ -8,11 +8,13 @@ whether the client cancelled, and we poll requests that have not had a response 
 
 from __future__ import annotations
 
+import json
+import math
 import queue
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
@@ -33,6 +35,19 @@ def build_response(update: Update) -> pb_utils.InferenceResponse:
     if request.return_finish_reason and update.finish_reason is not None:
         tensors.append(
             pb_utils.Tensor("finish_reason", np.array([update.finish_reason.encode()], dtype=np.object_))
+        )
+    if request.return_cumulative_logprob:
+        value = math.nan if update.cumulative_logprob is None else update.cumulative_logprob
+        tensors.append(pb_utils.Tensor("cumulative_logprob", np.array([value], dtype=np.float32)))
+    if request.return_logprobs:
+        tensors.append(
+            pb_utils.Tensor("logprobs", np.array([logprobs_json(update.logprobs)], dtype=np.object_))
+        )
+    if update.prompt_logprobs is not None:
+        tensors.append(
+            pb_utils.Tensor(
+                "prompt_logprobs", np.array([logprobs_json(update.prompt_logprobs)], dtype=np.object_)
+            )
         )
     if request.return_num_input_tokens:
         tensors.append(
@@ -55,14 +70,33 @@ def build_response(update: Update) -> pb_utils.InferenceResponse:
     return pb_utils.InferenceResponse(output_tensors=tensors)
 
 
+def logprobs_json(positions: Sequence[dict | None] | None) -> bytes:
+    """vLLM's backend's `logprobs` output: a JSON list, per position {token id: {logprob, rank,
+    decoded_token}}, or null when the request asked for none."""
+    if positions is None:
+        return b"null"
+    return json.dumps(
+        [
+            None
+            if position is None
+            else {
+                token: {"logprob": entry.logprob, "rank": entry.rank, "decoded_token": entry.decoded_token}
+                for token, entry in position.items()
+            }
+            for position in positions
+        ]
+    ).encode("utf-8")
+
+
 class ResponseLoop:
     """Sends queued updates in order; exactly one FINAL per request, since the engine emits one."""
 
     def __init__(self, log: Log, on_final: Callable[[Update], None]):
         self.log = log
         self.on_final = on_final
-        # Updates to send, requests to watch for cancellation, or None to stop.
-        self.queue: queue.SimpleQueue[Update | RequestState | None] = queue.SimpleQueue()
+        # Updates to send, requests to watch for cancellation, work to run once what is before it
+        # was sent, or None to stop.
+        self.queue: queue.SimpleQueue[Update | RequestState | Callable[[], None] | None] = queue.SimpleQueue()
         self.in_flight: set[RequestState] = set()  # response-thread only
         self.last_poll = time.monotonic()
         self.thread = threading.Thread(target=self._run, name="lookahead-responses", daemon=True)
@@ -77,6 +111,10 @@ class ResponseLoop:
     def put(self, update: Update) -> None:
         """Queue a response; never blocks (called from the engine thread and from execute)."""
         self.queue.put(update)
+
+    def after_queued(self, work: Callable[[], None]) -> None:
+        """Run `work` on this thread once every response queued so far has been sent."""
+        self.queue.put(work)
 
     def stop(self) -> None:
         """Send everything queued so far, then end the thread."""
@@ -94,8 +132,13 @@ class ResponseLoop:
                 return
             if isinstance(item, RequestState):
                 self.in_flight.add(item)
-            else:
+            elif isinstance(item, Update):
                 self._send(item)
+            else:
+                try:
+                    item()
+                except Exception:
+                    self.log.log_error(f"Error after the responses were sent: {traceback.format_exc()}")
             if time.monotonic() - self.last_poll >= CANCEL_POLL_S:
                 self._poll_cancellations()
 
