@@ -15,7 +15,7 @@ from transformers import CONFIG_MAPPING, AutoModelForCausalLM, DynamicCache
 from lookahead.cpu.extension import VARIANTS, runnable_variants, why_no_variant
 from lookahead.models.loading import apply_execution_path
 
-TINY_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "gemma")
+TINY_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "gemma3_text")
 
 _TINY_CONFIG = dict(
     vocab_size=256,
