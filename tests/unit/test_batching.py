@@ -213,3 +213,37 @@ def test_one_failing_request_in_a_batched_step_leaves_the_others_as_if_alone(
         assert by_name[name][-1].failure is None, by_name[name][-1].message
         assert "".join(u.text for u in by_name[name]) == alone[name][1]
         assert states[name].generation.output_ids == alone[name][0]
+
+
+def test_the_pool_is_freed_when_idle_and_requests_beyond_kv_cache_bytes_are_refused(
+    tiny_model, byte_tokenizer
+):
+    model = tiny_model("llama")
+    decoder = LookaheadDecoder(model, byte_tokenizer, kv_cache_bytes=0)
+    per_token = decoder.kv_bytes_per_token
+    assert per_token == 2 * 2 * 2 * 16 * 4  # layers x (K, V) x kv heads x head_dim x fp32
+    gen = decoder.start([1, 2, 3], SamplingParams(max_tokens=4))
+    while not gen.finished:
+        gen.step()
+    assert decoder.pool.keys == [] and decoder.pool.nbytes == 0  # nothing runs: the memory went back
+    bounded = LookaheadDecoder(model, byte_tokenizer, kv_cache_bytes=64 * per_token)
+    with pytest.raises(ValueError, match="need .* bytes of KV cache, more than kv_cache_bytes"):
+        bounded.start([1, 2, 3], SamplingParams(max_tokens=4))  # 3 + 4 + 64 (one draft) entries
+    assert bounded.fits([40]) and not bounded.fits([40, 40])  # one 64-entry slot fits, two do not
+
+
+def test_the_pool_shrinks_back_under_kv_cache_bytes_once_long_requests_leave(tiny_model, byte_tokenizer):
+    model = tiny_model("llama")
+    config = LookaheadConfig(use_lookahead=False)
+    per_token = LookaheadDecoder(model, byte_tokenizer).kv_bytes_per_token
+    decoder = LookaheadDecoder(model, byte_tokenizer, config=config, kv_cache_bytes=600 * per_token)
+    long = decoder.start([1 + i % 250 for i in range(300)], SamplingParams(max_tokens=40), config)
+    short = decoder.start([1, 2, 3], SamplingParams(max_tokens=60), config)
+    capacities = []
+    while not long.finished:
+        decoder.step([long, short])
+        capacities.append(decoder.pool.capacity)
+    assert not short.finished
+    assert capacities[0] == 512  # what the long request's prompt needed
+    assert decoder.pool.nbytes <= 600 * per_token
+    assert decoder.pool.capacity == 256  # back to what the short request needs
