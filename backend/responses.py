@@ -8,16 +8,17 @@ whether the client cancelled, and we poll requests that have not had a response 
 
 from __future__ import annotations
 
-import json
 import math
 import queue
 import threading
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
+
+from lookahead.runtime.logprobs import vllm_json
 
 from .engine import Log, RequestState, Update
 
@@ -41,12 +42,12 @@ def build_response(update: Update) -> pb_utils.InferenceResponse:
         tensors.append(pb_utils.Tensor("cumulative_logprob", np.array([value], dtype=np.float32)))
     if request.return_logprobs:
         tensors.append(
-            pb_utils.Tensor("logprobs", np.array([logprobs_json(update.logprobs)], dtype=np.object_))
+            pb_utils.Tensor("logprobs", np.array([vllm_json(update.logprobs).encode()], dtype=np.object_))
         )
     if update.prompt_logprobs is not None:
         tensors.append(
             pb_utils.Tensor(
-                "prompt_logprobs", np.array([logprobs_json(update.prompt_logprobs)], dtype=np.object_)
+                "prompt_logprobs", np.array([vllm_json(update.prompt_logprobs).encode()], dtype=np.object_)
             )
         )
     if request.return_num_input_tokens:
@@ -68,24 +69,6 @@ def build_response(update: Update) -> pb_utils.InferenceResponse:
             pb_utils.Tensor("acceptance_rate", np.array([stats.acceptance_rate], dtype=np.float32)),
         ]
     return pb_utils.InferenceResponse(output_tensors=tensors)
-
-
-def logprobs_json(positions: Sequence[dict | None] | None) -> bytes:
-    """vLLM's backend's `logprobs` output: a JSON list, per position {token id: {logprob, rank,
-    decoded_token}}, or null when the request asked for none."""
-    if positions is None:
-        return b"null"
-    return json.dumps(
-        [
-            None
-            if position is None
-            else {
-                token: {"logprob": entry.logprob, "rank": entry.rank, "decoded_token": entry.decoded_token}
-                for token, entry in position.items()
-            }
-            for position in positions
-        ]
-    ).encode("utf-8")
 
 
 class ResponseLoop:

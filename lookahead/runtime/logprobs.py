@@ -9,6 +9,7 @@ first, as in vLLM).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -44,3 +45,22 @@ def token_logprobs(
                 entry[top_id] = Logprob(top_value, j + 1, decode(top_id))
         positions.append(entry)
     return positions
+
+
+def vllm_json(positions: Sequence[PositionLogprobs | None] | None) -> str:
+    """The JSON vLLM's Triton backend sends in its `logprobs` output: a list with, per position,
+    {token id: {"logprob", "rank", "decoded_token"}} (null for a position without any, as the
+    first prompt token); "null" when none were asked for."""
+    if positions is None:
+        return "null"
+    return json.dumps(
+        [
+            None
+            if position is None
+            else {
+                token: {"logprob": entry.logprob, "rank": entry.rank, "decoded_token": entry.decoded_token}
+                for token, entry in position.items()
+            }
+            for position in positions
+        ]
+    )
