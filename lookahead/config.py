@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 DECODING_MODES = ("hier", "par", "one")
@@ -209,11 +209,6 @@ class SamplingParams:
         for name, ids in (("stop_token_ids", self.stop_token_ids), ("logit_bias", tuple(self.logit_bias))):
             bad = [t for t in ids if t >= vocab_size]
             _require(not bad, f"{name} holds token ids outside the vocabulary (size {vocab_size}): {bad[:5]}")
-
-
-def field_names(cls: type) -> tuple[str, ...]:
-    """The settable field names of one of the dataclasses above."""
-    return tuple(f.name for f in fields(cls))
 
 
 @dataclass(frozen=True)

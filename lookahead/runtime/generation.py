@@ -172,7 +172,7 @@ class Generation:
             inputs["attention_mask"] = to_device(mask, decoder.device)
         ids = torch.tensor([self.ids[cached:root] + draft.tokens], device=decoder.device)
         earlier = self._score_prompt if scoring else None
-        logits = decoder.last_logits(len(draft), on_earlier_logits=earlier, **{"input_ids": ids, **inputs})
+        logits = decoder.last_logits(len(draft), on_earlier_logits=earlier, input_ids=ids, **inputs)
         verdict = verify(draft, logits, self.selector)
         decoder.prefix_cache.store(self.ids, cache)
         self.stats.cached_prompt_tokens = cached
