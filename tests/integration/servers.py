@@ -36,7 +36,16 @@ def set_parameter(config: str, key: str, value: str) -> str:
     return config
 
 
+# A loaded 2-core machine can take minutes to load two instances (the launcher's own default).
+READY_TIMEOUT_S = 600.0
+
+
 def launch(repository: Path, log_file: Path) -> TritonServer:
     return start_server(
-        repository, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(), log_file=log_file
+        repository,
+        http_port=free_port(),
+        grpc_port=free_port(),
+        metrics_port=free_port(),
+        log_file=log_file,
+        ready_timeout_s=READY_TIMEOUT_S,
     )
