@@ -174,10 +174,11 @@ def run_point(args: argparse.Namespace, model: str, url: str, concurrency: int, 
     if finished.returncode != 0:
         tail = "\n".join((finished.stdout + finished.stderr).splitlines()[-15:])
         raise LoadTestError(f"genai-perf exited with {finished.returncode} (log {log}):\n{tail}")
-    try:
-        export = json.loads((out / "profile_export_genai_perf.json").read_text(encoding="utf-8"))
-        raw = json.loads((out / "profile_export.json").read_text(encoding="utf-8"))
-    except (FileNotFoundError, json.JSONDecodeError) as error:
+    try:  # genai-perf writes into <artifact dir>/<model>-triton-vllm-concurrency<N>/
+        summary = next(out.rglob("profile_export_genai_perf.json"))
+        export = json.loads(summary.read_text(encoding="utf-8"))
+        raw = json.loads((summary.parent / "profile_export.json").read_text(encoding="utf-8"))
+    except (StopIteration, FileNotFoundError, json.JSONDecodeError) as error:
         raise LoadTestError(f"genai-perf left no usable export in {out} ({error}); log {log}") from None
     failed = failed_requests(raw)
     if failed:
