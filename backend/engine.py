@@ -15,19 +15,27 @@ import queue
 import threading
 import time
 import traceback
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+import torch
+
 from lookahead.algorithm.trie import NGramTrie
 from lookahead.runtime.decoder import LookaheadDecoder
 from lookahead.runtime.generation import Generation, GenerationStats, StepOutput
+from lookahead.runtime.logprobs import PositionLogprobs
 from lookahead.state.persistence import save_trie
 
+from .config import BackendConfig
 from .request import GenerationRequest
 
 SHUTDOWN_MESSAGE = "the model is being unloaded; the request was not completed"
+ENGINE_FAILED = "the engine thread failed ({error}); the model must be reloaded (see the server log)"
+# Errors after which the device cannot be trusted for anyone: the engine stops (vLLM's health check).
+FATAL_ERRORS: tuple[type[BaseException], ...] = (torch.AcceleratorError,)
 
 
 class Log(Protocol):
@@ -66,7 +74,15 @@ class RequestState:
     first_output_time: float | None = None
     finish_time: float | None = None
     unreported_tokens: int = 0  # decoded, but their text is still held back by the detokenizer
+    unreported_logprobs: list[PositionLogprobs] = field(default_factory=list)
     text_parts: list[str] = field(default_factory=list)  # non-streaming: the whole output so far
+    prompt_logprobs_sent: bool = False
+
+    @property
+    def longest(self) -> int:
+        """The most KV entries the request can hold (see LookaheadDecoder.longest)."""
+        request = self.request
+        return LookaheadDecoder.longest(len(request.prompt_ids), request.sampling, request.lookahead)
 
 
 @dataclass(frozen=True)
@@ -81,6 +97,9 @@ class Update:
     stats: GenerationStats | None = None  # on a final response that followed a generation
     failure: FailureCode | None = None
     message: str = ""
+    logprobs: list[PositionLogprobs] | None = None  # of this response's tokens, when computed
+    cumulative_logprob: float | None = None
+    prompt_logprobs: list[PositionLogprobs | None] | None = None  # on the first response
 
     @classmethod
     def failed(cls, state: RequestState, code: FailureCode, message: str) -> Update:
@@ -122,7 +141,13 @@ class TrieSnapshots:
 
 
 class Engine:
-    """Owns the decoder; steps all in-flight generations together on one thread."""
+    """Owns the decoder; steps all in-flight generations together on one thread.
+
+    At most max_running_requests run at once, and only as many as the decoder's KV bound holds;
+    the others wait in arrival order. If the thread dies (a bug, a device error), every queued
+    and running request gets a final UNAVAILABLE error, `running` turns false, the log says why
+    and on_stopped(reason) is called (the model then reports not ready).
+    """
 
     def __init__(
         self,
@@ -131,15 +156,24 @@ class Engine:
         log: Log,
         snapshots: TrieSnapshots | None = None,
         on_trie_size: Callable[[int, int], None] | None = None,
+        max_running_requests: int = BackendConfig.max_running_requests,
+        on_stopped: Callable[[str], None] | None = None,
     ):
+        if max_running_requests < 1:
+            raise ValueError(f"max_running_requests must be >= 1, got {max_running_requests}")
         self.decoder = decoder
         decoder.debug_log = log.log_info  # the `debug` setting's per-step lines go to the server log
         self.emit = emit
         self.log = log
         self.snapshots = snapshots
         self.on_trie_size = on_trie_size
+        self.max_running_requests = max_running_requests
+        self.on_stopped = on_stopped
         self.inbox: queue.SimpleQueue[RequestState | None] = queue.SimpleQueue()
+        self.waiting: deque[RequestState] = deque()  # validated, not yet admitted (engine thread)
         self.active: list[RequestState] = []
+        self.failure: str | None = None  # why the thread died, once it has
+        self.lock = threading.Lock()  # orders submit() against the thread's death
         self.thread = threading.Thread(target=self._run, name="lookahead-engine", daemon=True)
 
     def start(self) -> None:
@@ -147,12 +181,18 @@ class Engine:
 
     @property
     def running(self) -> bool:
-        """False once the thread has ended: after stop(), or after a bug killed it."""
-        return self.thread.is_alive()
+        """False once the thread has ended or is ending: after stop(), or after it failed."""
+        return self.thread.is_alive() and self.failure is None
 
     def submit(self, state: RequestState) -> None:
-        """Queue a validated request (state.request set); returns at once."""
-        self.inbox.put(state)
+        """Queue a validated request (state.request set); returns at once. After the thread died the
+        request is answered UNAVAILABLE here."""
+        with self.lock:
+            if self.failure is None:
+                self.inbox.put(state)
+                return
+            failure = self.failure
+        self.emit(Update.failed(state, FailureCode.UNAVAILABLE, failure))
 
     def stop(self) -> None:
         """Fail what is still in flight, take a last snapshot, and end the thread."""
@@ -160,38 +200,86 @@ class Engine:
         self.thread.join()
 
     def _run(self) -> None:
+        message = SHUTDOWN_MESSAGE
         try:
             while self._admit():
                 self._advance()
                 if self.snapshots is not None:
                     self.snapshots.maybe_save()
-        except BaseException:
+        except BaseException as error:
+            message = ENGINE_FAILED.format(error=f"{type(error).__name__}: {error}")
             self.log.log_error(
                 f"The engine thread failed; the model must be reloaded: {traceback.format_exc()}"
             )
+            with self.lock:
+                self.failure = message
             raise
         finally:
-            for state in list(self.active):
-                self._finish(state, Update.failed(state, FailureCode.UNAVAILABLE, SHUTDOWN_MESSAGE))
+            self._fail_everything(FailureCode.UNAVAILABLE, message)
             if self.snapshots is not None:
                 self.snapshots.save()
                 self.log.log_info(
                     f"Saved {self.snapshots.path} ({self.snapshots.trie.node_count} trie nodes)"
                 )
+            if self.failure is not None and self.on_stopped is not None:
+                self.on_stopped(self.failure)
+
+    def _fail_everything(self, code: FailureCode, message: str) -> None:
+        """A final error for every running, waiting and queued request."""
+        with self.lock:
+            queued = []
+            while True:
+                try:
+                    item = self.inbox.get_nowait()
+                except queue.Empty:
+                    break
+                if item is not None:
+                    queued.append(item)
+        for state in [*self.active, *self.waiting, *queued]:
+            self._finish(state, Update.failed(state, code, message))
+        self.waiting.clear()
 
     def _admit(self) -> bool:
-        """Move new requests into the round, waiting while idle. False once stop() was called."""
+        """Move new requests into the waiting line (waiting while idle), then start as many as fit.
+        False once stop() was called."""
         while True:
-            idle = not self.active
+            idle = not self.active and not self.waiting
             try:
                 state = self.inbox.get(block=idle, timeout=self._idle_timeout() if idle else None)
             except queue.Empty:
                 if not idle:
-                    return True
+                    break
                 self.snapshots.maybe_save()  # only a pending snapshot sets an idle timeout
                 continue
             if state is None:
                 return False
+            self.waiting.append(state)
+        self._start_waiting()
+        return True
+
+    def _start_waiting(self) -> None:
+        """Start waiting requests in arrival order while the running ones leave room for them."""
+        for state in [s for s in self.waiting if s.cancelled]:
+            self.waiting.remove(state)
+            self._finish(state, Update.failed(state, FailureCode.CANCELLED, "Request was cancelled"))
+        while self.waiting and len(self.active) < self.max_running_requests:
+            state = self.waiting[0]
+            if self.active and not self.decoder.fits([*(s.longest for s in self.active), state.longest]):
+                return  # it waits, and so do the ones behind it
+            self.waiting.popleft()
+            request = state.request
+            try:
+                state.generation = self.decoder.start(
+                    request.prompt_ids, request.sampling, request.lookahead, request_id=state.id
+                )
+            except ValueError as error:  # a request this model can never serve
+                self._finish(state, Update.failed(state, FailureCode.INVALID_ARG, str(error)))
+                continue
+            except FATAL_ERRORS:
+                raise
+            except Exception as error:
+                self._fail(state, error)
+                continue
             self.active.append(state)
 
     def _idle_timeout(self) -> float | None:
@@ -205,14 +293,6 @@ class Engine:
         for state in [s for s in self.active if s.cancelled]:
             self.log.log_info(f"Cancelling request {state.id}")
             self._finish(state, Update.failed(state, FailureCode.CANCELLED, "Request was cancelled"))
-        for state in [s for s in self.active if s.generation is None]:
-            request = state.request
-            try:
-                state.generation = self.decoder.start(
-                    request.prompt_ids, request.sampling, request.lookahead, request_id=state.id
-                )
-            except Exception as error:
-                self._fail(state, error)
         # New requests are prefilled one by one, each sending its first token at once, before the
         # others' decoding step: time to first token never includes a decoding step, and in a
         # burst of arrivals only the last one waits for every prefill.
@@ -223,20 +303,29 @@ class Engine:
             self._step(decoding)
 
     def _step(self, states: list[RequestState]) -> None:
-        """One decoder.step() for these requests, then their updates."""
+        """One decoder.step() for these requests, then their updates. A request whose own work
+        failed ends with INTERNAL; a failed shared forward is retried request by request (nothing
+        was committed yet)."""
         try:
             outputs = self.decoder.step([state.generation for state in states])
-        except Exception:  # find the request that broke the batch; the others carry on alone
+        except FATAL_ERRORS:
+            raise
+        except Exception:
             outputs = []
             for state in list(states):
                 try:
                     outputs.extend(self.decoder.step([state.generation]))
+                except FATAL_ERRORS:
+                    raise
                 except Exception as error:
                     states.remove(state)
                     self._fail(state, error)
         if self.snapshots is not None:
             self.snapshots.mark_changed()
         for state, output in zip(states, outputs):
+            if output.error is not None:
+                self._fail(state, output.error)
+                continue
             update = self._update_for(state, output)
             if update is None:
                 continue
@@ -245,9 +334,10 @@ class Engine:
             else:
                 self.emit(update)
 
-    def _fail(self, state: RequestState, error: Exception) -> None:
+    def _fail(self, state: RequestState, error: BaseException) -> None:
         """One broken request ends with an error; the instance and the other requests go on."""
-        self.log.log_error(f"Error generating request {state.id}: {traceback.format_exc()}")
+        trace = "".join(traceback.format_exception(error))
+        self.log.log_error(f"Error generating request {state.id}: {trace}")
         self._finish(state, Update.failed(state, FailureCode.INTERNAL, f"Error generating text: {error}"))
 
     def _update_for(self, state: RequestState, output: StepOutput) -> Update | None:
@@ -256,6 +346,8 @@ class Engine:
         if state.first_output_time is None and output.token_ids:
             state.first_output_time = time.monotonic()
         state.unreported_tokens += len(output.token_ids)
+        if output.logprobs is not None:
+            state.unreported_logprobs.extend(output.logprobs)
         final = output.finish_reason is not None
         if request.stream:
             if not (output.text or final):
@@ -267,13 +359,21 @@ class Engine:
                 return None
             text = (request.prompt if request.prepend_input else "") + "".join(state.text_parts)
         tokens, state.unreported_tokens = state.unreported_tokens, 0
+        logprobs, state.unreported_logprobs = state.unreported_logprobs, []
+        generation = state.generation
+        prompt_logprobs = None
+        if not state.prompt_logprobs_sent:
+            prompt_logprobs, state.prompt_logprobs_sent = generation.prompt_logprobs, True
         return Update(
             state,
             final=final,
             text=text,
             num_output_tokens=tokens,
             finish_reason=output.finish_reason,
-            stats=state.generation.stats if final else None,
+            stats=generation.stats if final else None,
+            logprobs=None if request.logprobs_hidden or generation.cumulative_logprob is None else logprobs,
+            cumulative_logprob=generation.cumulative_logprob,
+            prompt_logprobs=prompt_logprobs,
         )
 
     def _finish(self, state: RequestState, update: Update) -> None:

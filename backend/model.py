@@ -29,18 +29,24 @@ from lookahead.state.warmup import warm_up
 from .config import BackendConfig
 from .engine import Engine, FailureCode, RequestState, TrieSnapshots, Update
 from .metrics import LookaheadMetrics
-from .request import RequestError, RequestLimits, parse_request
+from .request import RequestError, RequestLimits, parse_request, prompt_byte_limit
 from .responses import ResponseLoop
 
 ENGINE_STOPPED = "the engine thread has stopped (see the server log); reload the model"
+UNLOAD_FAILED = (
+    "Could not unload the model after its engine failed ({error}): it stays loaded and answers every "
+    "request with UNAVAILABLE (tritonserver --model-control-mode=explicit lets a model unload itself)"
+)
 
-# The vLLM backend's tensor contract plus TensorRT-LLM's speculative stats.
+# The vLLM backend's tensor contract plus TensorRT-LLM's speculative stats and the prompt's logprobs.
 INPUTS = [
     {"name": "text_input", "data_type": "TYPE_STRING", "dims": [1]},
     {"name": "stream", "data_type": "TYPE_BOOL", "dims": [1], "optional": True},
     {"name": "sampling_parameters", "data_type": "TYPE_STRING", "dims": [1], "optional": True},
     {"name": "exclude_input_in_output", "data_type": "TYPE_BOOL", "dims": [1], "optional": True},
     {"name": "return_finish_reason", "data_type": "TYPE_BOOL", "dims": [1], "optional": True},
+    {"name": "return_cumulative_logprob", "data_type": "TYPE_BOOL", "dims": [1], "optional": True},
+    {"name": "return_logprobs", "data_type": "TYPE_BOOL", "dims": [1], "optional": True},
     {"name": "return_num_input_tokens", "data_type": "TYPE_BOOL", "dims": [1], "optional": True},
     {"name": "return_num_output_tokens", "data_type": "TYPE_BOOL", "dims": [1], "optional": True},
     {"name": "return_perf_metrics", "data_type": "TYPE_BOOL", "dims": [1], "optional": True},
@@ -48,6 +54,9 @@ INPUTS = [
 OUTPUTS = [
     {"name": "text_output", "data_type": "TYPE_STRING", "dims": [-1]},
     {"name": "finish_reason", "data_type": "TYPE_STRING", "dims": [-1]},
+    {"name": "cumulative_logprob", "data_type": "TYPE_FP32", "dims": [-1]},
+    {"name": "logprobs", "data_type": "TYPE_STRING", "dims": [-1]},
+    {"name": "prompt_logprobs", "data_type": "TYPE_STRING", "dims": [-1]},
     {"name": "num_input_tokens", "data_type": "TYPE_UINT32", "dims": [1]},
     {"name": "num_output_tokens", "data_type": "TYPE_UINT32", "dims": [-1]},
     {"name": "total_draft_tokens", "data_type": "TYPE_INT32", "dims": [1]},
@@ -115,6 +124,7 @@ class TritonPythonModel:
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="lookahead-load") as loader:
             loading = loader.submit(self._load, config, args["model_instance_name"])
             loaded, snapshots, decoder = loading.result()
+        self.model_name = args["model_name"]
         self.tokenize = loaded.tokenizer.encode
         if config.linear_kernel == "auto" and loaded.linear_kernel == "stock" and config.device == "cpu":
             self.logger.log_warn(
@@ -122,7 +132,14 @@ class TritonPythonModel:
                 "path runs fp32 models on x86-64 CPUs with AVX-512 or AVX2 + FMA + F16C"
             )
         self.stop_word_ids = decoder.stop_word_ids
-        self.limits = RequestLimits(config.lookahead, config.max_prompt_tokens, config.max_output_tokens)
+        self.check_request = decoder.check_request
+        self.limits = RequestLimits(
+            config.lookahead,
+            config.max_prompt_tokens,
+            config.max_output_tokens,
+            max_prompt_bytes=prompt_byte_limit(loaded.tokenizer, config.max_prompt_tokens),
+            context_length=decoder.context_length,
+        )
 
         self.metrics = None
         if config.report_custom_metrics:
@@ -137,6 +154,8 @@ class TritonPythonModel:
             log=self.logger,
             snapshots=snapshots,
             on_trie_size=self.metrics.trie_size if self.metrics else None,
+            max_running_requests=config.max_running_requests,
+            on_stopped=self._on_engine_stopped,
         )
         freeze_loaded_objects()
         self.responses.start()
@@ -158,7 +177,7 @@ class TritonPythonModel:
                 continue
             try:
                 state.request = parse_request(
-                    TritonInputs(request), self.limits, self.tokenize, self.stop_word_ids
+                    TritonInputs(request), self.limits, self.tokenize, self.check_request, self.stop_word_ids
                 )
             except RequestError as error:
                 self.responses.put(Update.failed(state, FailureCode.INVALID_ARG, str(error)))
@@ -172,6 +191,26 @@ class TritonPythonModel:
             self.responses.watch(state)
             self.engine.submit(state)
         return None
+
+    def is_ready(self) -> bool:
+        """Model readiness (python_backend r26.03+ asks it for v2/models/<name>/ready): false once
+        the engine thread has failed."""
+        return self.engine.running
+
+    def _on_engine_stopped(self, reason: str) -> None:
+        """The engine failed (every request already got its error): once those errors are sent,
+        unload the model as vLLM's backend does for an unhealthy engine."""
+
+        def unload() -> None:
+            self.logger.log_error(
+                f"The engine of {self.model_name} failed and the model will be unloaded: {reason}"
+            )
+            try:
+                pb_utils.unload_model(self.model_name)
+            except Exception as error:  # no explicit model control: the model stays, answering UNAVAILABLE
+                self.logger.log_error(UNLOAD_FAILED.format(error=error))
+
+        self.responses.after_queued(unload)
 
     def finalize(self) -> None:
         """Stop the engine (it answers what is left and takes a last snapshot), then the senders."""
@@ -198,6 +237,7 @@ class TritonPythonModel:
         decoder = LookaheadDecoder.for_model(
             loaded, snapshots.trie if snapshots else None, config.lookahead, config.decoder
         )
+        decoder.kv_bytes_per_token  # measured here, so that request checks never run the model
         return loaded, snapshots, decoder
 
     def _on_final(self, update: Update) -> None:
@@ -208,11 +248,17 @@ class TritonPythonModel:
         """This instance's global trie: its last snapshot, else the warm-up corpus, else empty."""
         path = config.trie_state_dir / f"{re.sub(r'[^A-Za-z0-9_.-]', '_', instance_name)}.trie"
         trie = load_trie(
-            path, capacity=config.trie.capacity, max_depth=config.trie.depth, fingerprint=loaded.fingerprint
+            path,
+            capacity=config.trie.capacity,
+            max_depth=config.trie.depth,
+            fingerprint=loaded.fingerprint,
+            vocab_size=loaded.vocab_size,
         )
         snapshots = TrieSnapshots(trie, path, loaded.fingerprint, config.snapshot_interval_s, self.logger)
         if trie.node_count == 0 and config.warmup_corpus is not None:
-            warm_up(trie, config.warmup_corpus, loaded.tokenizer, progress=False)
+            warm_up(
+                trie, config.warmup_corpus, loaded.tokenizer, progress=False, vocab_size=loaded.vocab_size
+            )
             snapshots.mark_changed()
         self.logger.log_info(f"Trie for {instance_name}: {path} ({trie.node_count} nodes)")
         return snapshots

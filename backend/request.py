@@ -15,10 +15,11 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from lookahead.config import LookaheadConfig, SamplingParams, field_names
+from lookahead.config import LookaheadConfig, SamplingParams
+
+from .sampling_keys import sampling_fields, to_bool, to_int, to_str
 
 STREAMING_ECHO_ERROR = "When streaming, `exclude_input_in_output` = False is not allowed."
-SAMPLING_KEYS = field_names(SamplingParams)
 LOOKAHEAD_OVERRIDES = (
     "use_lookahead",
     "decoding_length",
@@ -31,6 +32,8 @@ _FLAGS = (
     "stream",
     "exclude_input_in_output",
     "return_finish_reason",
+    "return_cumulative_logprob",
+    "return_logprobs",
     "return_num_input_tokens",
     "return_num_output_tokens",
     "return_perf_metrics",
@@ -65,11 +68,18 @@ class DictInputs:
 
 @dataclass(frozen=True)
 class RequestLimits:
-    """Instance limits a request is checked against."""
+    """Instance limits a request is checked against.
+
+    max_prompt_bytes: a prompt longer than this cannot be within max_prompt_tokens, so it is
+    refused before it is tokenized (None: no such bound). context_length: the model's, which a
+    prompt and its max_tokens must fit in.
+    """
 
     lookahead: LookaheadConfig  # instance defaults, also the per-request maxima
     max_prompt_tokens: int
     max_output_tokens: int
+    max_prompt_bytes: int | None = None
+    context_length: int | None = None
 
 
 @dataclass(frozen=True)
@@ -81,20 +91,27 @@ class GenerationRequest:
     stream: bool = False
     prepend_input: bool = True
     return_finish_reason: bool = False
+    return_cumulative_logprob: bool = False
+    return_logprobs: bool = False
     return_num_input_tokens: bool = False
     return_num_output_tokens: bool = False
     return_perf_metrics: bool = False
+    # The request asked for no logprobs: they are computed (logprobs=0) for its cumulative_logprob only.
+    logprobs_hidden: bool = False
 
 
 def parse_request(
     inputs: RequestInputs,
     limits: RequestLimits,
     tokenize: Callable[[str], list[int]],
+    check: Callable[[int, SamplingParams, LookaheadConfig], None] | None = None,
     stop_word_ids: Callable[[tuple[int | str, ...]], frozenset[int]] | None = None,
 ) -> GenerationRequest:
     """Validate every input; raise RequestError with a message naming the offending one.
 
-    stop_word_ids (the decoder's) checks a request's stop_words against the tokenizer."""
+    check: the decoder's own check of a request (vocabulary, context, KV bound), raising ValueError;
+    stop_word_ids (the decoder's) checks a request's stop_words against the tokenizer.
+    """
     prompt = _text_input(inputs)
     flags = {name: _flag(inputs, name) for name in _FLAGS}
     stream = bool(flags["stream"])
@@ -103,7 +120,10 @@ def parse_request(
         raise RequestError(STREAMING_ECHO_ERROR)
 
     options = _sampling_options(inputs)
-    sampling = _sampling_params(options, limits.max_output_tokens)
+    try:
+        fields, truncate = sampling_fields(options)
+    except ValueError as error:
+        raise RequestError(str(error)) from None
     lookahead = _lookahead_config(options, limits.lookahead)
     if stop_word_ids is not None:
         try:
@@ -111,12 +131,30 @@ def parse_request(
         except ValueError as error:
             raise RequestError(str(error)) from None
 
+    if limits.max_prompt_bytes is not None and len(prompt) * 4 > limits.max_prompt_bytes:
+        size = len(prompt.encode("utf-8"))
+        if size > limits.max_prompt_bytes:
+            raise RequestError(
+                f"text_input has {size} bytes: more than max_prompt_tokens ({limits.max_prompt_tokens}) "
+                "tokens can hold on this model"
+            )
     prompt_ids = tuple(tokenize(prompt))
+    if truncate is not None:
+        prompt_ids = prompt_ids[-truncate:]
     if not prompt_ids:
         raise RequestError("text_input is empty: the prompt must hold at least one token")
     limit = limits.max_prompt_tokens
     if len(prompt_ids) > limit:
         raise RequestError(f"text_input has {len(prompt_ids)} tokens, more than max_prompt_tokens ({limit})")
+    hidden = bool(flags["return_cumulative_logprob"]) and fields.get("logprobs") is None
+    if hidden:
+        fields["logprobs"] = 0
+    sampling = _sampling_params(fields, limits, len(prompt_ids))
+    if check is not None:
+        try:
+            check(len(prompt_ids), sampling, lookahead)
+        except ValueError as error:
+            raise RequestError(str(error)) from None
     return GenerationRequest(
         prompt=prompt,
         prompt_ids=prompt_ids,
@@ -125,8 +163,21 @@ def parse_request(
         stream=stream,
         # vLLM's default: the prompt is echoed when not streaming, never when streaming.
         prepend_input=not stream if exclude_input is None else not exclude_input,
+        logprobs_hidden=hidden,
         **{name: bool(flags[name]) for name in _FLAGS if name.startswith("return_")},
     )
+
+
+def prompt_byte_limit(tokenizer: Any, max_prompt_tokens: int) -> int:
+    """The most UTF-8 bytes a prompt of max_prompt_tokens tokens can have: the longest token's
+    bytes (its vocabulary string, which spells a byte with at least one), times four for
+    normalizers that shrink text (no Unicode normalization shrinks it more)."""
+    longest = max(
+        len(token.encode("utf-8"))
+        for token in tokenizer.convert_ids_to_tokens(range(len(tokenizer)))
+        if token
+    )
+    return 4 * max_prompt_tokens * longest
 
 
 def _single(inputs: RequestInputs, name: str) -> Any | None:
@@ -183,16 +234,18 @@ def _sampling_options(inputs: RequestInputs) -> Mapping[str, Any]:
     return options
 
 
-def _sampling_params(options: Mapping[str, Any], max_output_tokens: int) -> SamplingParams:
-    """Known SamplingParams fields, converted by their type; unknown keys are ignored."""
-    values = _converted(options, SAMPLING_KEYS)
-    values.setdefault("max_tokens", min(SamplingParams.max_tokens, max_output_tokens))
-    if values["max_tokens"] > max_output_tokens:
+def _sampling_params(fields: dict[str, Any], limits: RequestLimits, prompt_tokens: int) -> SamplingParams:
+    """SamplingParams from the converted fields; without max_tokens, min(the library default,
+    max_output_tokens, what the context leaves after the prompt)."""
+    if "max_tokens" not in fields:
+        room = limits.context_length - prompt_tokens if limits.context_length else limits.max_output_tokens
+        fields["max_tokens"] = max(1, min(SamplingParams.max_tokens, limits.max_output_tokens, room))
+    if fields["max_tokens"] > limits.max_output_tokens:
         raise RequestError(
-            f"max_tokens must be <= {max_output_tokens} on this model, got {values['max_tokens']}"
+            f"max_tokens must be <= {limits.max_output_tokens} on this model, got {fields['max_tokens']}"
         )
     try:
-        return SamplingParams(**values)
+        return SamplingParams(**fields)
     except ValueError as error:
         raise RequestError(str(error)) from None
 
@@ -206,50 +259,15 @@ def _lookahead_config(options: Mapping[str, Any], instance: LookaheadConfig) -> 
 
 
 def _converted(options: Mapping[str, Any], names: tuple[str, ...]) -> dict[str, Any]:
-    """The options among `names`, each converted to its field's type; null means unset."""
-    return {name: _CONVERTERS[name](name, options[name]) for name in names if options.get(name) is not None}
-
-
-def _to_int(name: str, value: Any) -> int:
-    if isinstance(value, bool):
-        raise RequestError(f"{name} must be an integer, got {value!r}")
-    if isinstance(value, int):
-        return value
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    if isinstance(value, str):
-        try:
-            return int(value.strip())
-        except ValueError:
-            pass
-    raise RequestError(f"{name} must be an integer, got {value!r}")
-
-
-def _to_float(name: str, value: Any) -> float:
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
-    if isinstance(value, str):
-        try:
-            return float(value.strip())
-        except ValueError:
-            pass
-    raise RequestError(f"{name} must be a number, got {value!r}")
-
-
-def _to_bool(name: str, value: Any) -> bool:
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, str) and value.strip().lower() in ("true", "false"):
-        return value.strip().lower() == "true"
-    raise RequestError(f"{name} must be true or false, got {value!r}")
-
-
-def _to_stop(name: str, value: Any) -> tuple[str, ...]:
-    if isinstance(value, str):
-        return (value,)
-    if isinstance(value, list) and all(isinstance(item, str) for item in value):
-        return tuple(value)
-    raise RequestError(f"{name} must be a string or a list of strings, got {value!r}")
+    """The lookahead overrides among the options, each converted to its field's type; null means unset."""
+    converted = {}
+    for name in names:
+        if options.get(name) is not None:
+            try:
+                converted[name] = _OVERRIDES[name](name, options[name])
+            except ValueError as error:
+                raise RequestError(str(error)) from None
+    return converted
 
 
 def _to_stop_words(name: str, value: Any) -> tuple[int | str, ...]:
@@ -261,26 +279,11 @@ def _to_stop_words(name: str, value: Any) -> tuple[int | str, ...]:
     raise RequestError(f"{name} must be a list of strings and token ids, got {value!r}")
 
 
-def _to_str(name: str, value: Any) -> str:
-    if isinstance(value, str):
-        return value
-    raise RequestError(f"{name} must be a string, got {value!r}")
-
-
-_CONVERTERS: dict[str, Callable[[str, Any], Any]] = {
-    "max_tokens": _to_int,
-    "min_tokens": _to_int,
-    "temperature": _to_float,
-    "top_k": _to_int,
-    "top_p": _to_float,
-    "repetition_penalty": _to_float,
-    "seed": _to_int,
-    "stop": _to_stop,
-    "ignore_eos": _to_bool,
-    "use_lookahead": _to_bool,
-    "decoding_length": _to_int,
-    "branch_length": _to_int,
-    "decoding_mode": _to_str,
+_OVERRIDES: dict[str, Callable[[str, Any], Any]] = {
+    "use_lookahead": to_bool,
+    "decoding_length": to_int,
+    "branch_length": to_int,
+    "decoding_mode": to_str,
     "stop_words": _to_stop_words,
-    "debug": _to_bool,
+    "debug": to_bool,
 }

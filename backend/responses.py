@@ -8,6 +8,7 @@ whether the client cancelled, and we poll requests that have not had a response 
 
 from __future__ import annotations
 
+import math
 import queue
 import threading
 import time
@@ -16,6 +17,8 @@ from collections.abc import Callable
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
+
+from lookahead.runtime.logprobs import vllm_json
 
 from .engine import Log, RequestState, Update
 
@@ -33,6 +36,19 @@ def build_response(update: Update) -> pb_utils.InferenceResponse:
     if request.return_finish_reason and update.finish_reason is not None:
         tensors.append(
             pb_utils.Tensor("finish_reason", np.array([update.finish_reason.encode()], dtype=np.object_))
+        )
+    if request.return_cumulative_logprob:
+        value = math.nan if update.cumulative_logprob is None else update.cumulative_logprob
+        tensors.append(pb_utils.Tensor("cumulative_logprob", np.array([value], dtype=np.float32)))
+    if request.return_logprobs:
+        tensors.append(
+            pb_utils.Tensor("logprobs", np.array([vllm_json(update.logprobs).encode()], dtype=np.object_))
+        )
+    if update.prompt_logprobs is not None:
+        tensors.append(
+            pb_utils.Tensor(
+                "prompt_logprobs", np.array([vllm_json(update.prompt_logprobs).encode()], dtype=np.object_)
+            )
         )
     if request.return_num_input_tokens:
         tensors.append(
@@ -61,8 +77,9 @@ class ResponseLoop:
     def __init__(self, log: Log, on_final: Callable[[Update], None]):
         self.log = log
         self.on_final = on_final
-        # Updates to send, requests to watch for cancellation, or None to stop.
-        self.queue: queue.SimpleQueue[Update | RequestState | None] = queue.SimpleQueue()
+        # Updates to send, requests to watch for cancellation, work to run once what is before it
+        # was sent, or None to stop.
+        self.queue: queue.SimpleQueue[Update | RequestState | Callable[[], None] | None] = queue.SimpleQueue()
         self.in_flight: set[RequestState] = set()  # response-thread only
         self.last_poll = time.monotonic()
         self.thread = threading.Thread(target=self._run, name="lookahead-responses", daemon=True)
@@ -77,6 +94,10 @@ class ResponseLoop:
     def put(self, update: Update) -> None:
         """Queue a response; never blocks (called from the engine thread and from execute)."""
         self.queue.put(update)
+
+    def after_queued(self, work: Callable[[], None]) -> None:
+        """Run `work` on this thread once every response queued so far has been sent."""
+        self.queue.put(work)
 
     def stop(self) -> None:
         """Send everything queued so far, then end the thread."""
@@ -94,8 +115,13 @@ class ResponseLoop:
                 return
             if isinstance(item, RequestState):
                 self.in_flight.add(item)
-            else:
+            elif isinstance(item, Update):
                 self._send(item)
+            else:
+                try:
+                    item()
+                except Exception:
+                    self.log.log_error(f"Error after the responses were sent: {traceback.format_exc()}")
             if time.monotonic() - self.last_poll >= CANCEL_POLL_S:
                 self._poll_cancellations()
 

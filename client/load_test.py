@@ -46,6 +46,7 @@ MODELS = ("lookahead", "baseline")
 # --quick: enough to see every model answer under concurrent load, short enough for a test.
 QUICK = {"concurrency": (1, 2), "prompts": 4, "max_tokens": 8, "request_count": 2}
 NS_PER_S = 1e9
+SERVER_READY_TIMEOUT_S = 600.0  # as `python -m backend.launcher`: a busy machine loads slowly
 
 
 class LoadTestError(RuntimeError):
@@ -329,6 +330,7 @@ def server_url(args: argparse.Namespace) -> Iterator[str]:
         metrics_port=free_port(),
         log_file=args.out / "server.log",
         extra_env={STATE_DIR_ENV: str(state.resolve())},
+        ready_timeout_s=SERVER_READY_TIMEOUT_S,
     ) as server:
         yield server.grpc_url
 

@@ -8,7 +8,9 @@ whether it came from Python, a config.pbtxt parameter or a request's JSON.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields, replace
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 DECODING_MODES = ("hier", "par", "one")
@@ -78,11 +80,42 @@ class LookaheadConfig:
         return replace(self, **overrides)
 
 
+# vLLM raises a positive temperature below this to it (smaller ones overflow the softmax).
+MIN_TEMPERATURE = 1e-2
+# seed: any signed or unsigned 64-bit integer (what torch.Generator.manual_seed takes); -1 is unseeded.
+SEED_RANGE = (-(2**63), 2**64)
+# Bounds that keep one request's per-step work small for everyone sharing the engine thread.
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 256
+MAX_TOKEN_ID_LIST = 4096  # stop_token_ids and logit_bias entries
+MAX_LOGPROBS = 20  # vLLM's default max_logprobs, OpenAI's top_logprobs bound
+
+
+def _number(name: str, value: Any, *, integer: bool = False) -> Any:
+    """`value` as a float (or an int), refusing booleans, non-numbers and, for floats, nan/inf."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        kind = "an integer" if integer else "a number"
+        raise ValueError(f"{name} must be {kind}, got {value!r}")
+    if integer:
+        if isinstance(value, float) and not value.is_integer():
+            raise ValueError(f"{name} must be an integer, got {value!r}")
+        return int(value)
+    value = float(value)
+    _require(math.isfinite(value), f"{name} must be a finite number, got {value}")
+    return value
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    """What to generate; temperature 0 means greedy decoding.
+    """What to generate, with vLLM's SamplingParams names and semantics; temperature 0 is greedy.
 
-    Field names follow vLLM's SamplingParams so request JSON carries over unchanged.
+    Token choice at each position, in vLLM's order: min_tokens (EOS and stop_token_ids masked
+    while fewer than min_tokens tokens were generated), logit_bias (added), repetition_penalty
+    (over the prompt and the output: positive logits divided, others multiplied),
+    frequency_penalty and presence_penalty (over the output: count and presence subtracted);
+    then argmax, or temperature, min_p, top_k, top_p and one sample. top_k 0 or -1 is off.
+    logprobs / prompt_logprobs: how many most likely tokens to report per position (None: none),
+    of the model's raw distribution, as vLLM reports them.
     """
 
     max_tokens: int = 128
@@ -90,33 +123,106 @@ class SamplingParams:
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
+    min_p: float = 0.0
     repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: Mapping[int, float] = field(default_factory=dict)
     seed: int | None = None
     stop: tuple[str, ...] = field(default_factory=tuple)
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    include_stop_str_in_output: bool = False
     ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
+        def set_(name: str, value: Any) -> None:
+            object.__setattr__(self, name, value)
+
+        for name in ("max_tokens", "min_tokens", "top_k"):
+            set_(name, _number(name, getattr(self, name), integer=True))
+        for name in (
+            "temperature",
+            "top_p",
+            "min_p",
+            "repetition_penalty",
+            "presence_penalty",
+            "frequency_penalty",
+        ):
+            set_(name, _number(name, getattr(self, name)))
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                value = _number(name, value, integer=True)
+                _require(
+                    0 <= value <= MAX_LOGPROBS, f"{name} must be between 0 and {MAX_LOGPROBS}, got {value}"
+                )
+                set_(name, value)
         _require(self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}")
         _require(
             0 <= self.min_tokens <= self.max_tokens,
             f"min_tokens must be between 0 and max_tokens ({self.max_tokens}), got {self.min_tokens}",
         )
         _require(self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}")
-        _require(self.top_k >= 0, f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            set_("temperature", MIN_TEMPERATURE)
+        _require(self.top_k >= -1, f"top_k must be -1 or 0 (off) or >= 1, got {self.top_k}")
+        set_("top_k", max(self.top_k, 0))
         _require(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
+        _require(0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}")
         _require(
             self.repetition_penalty > 0, f"repetition_penalty must be > 0, got {self.repetition_penalty}"
         )
-        _require(all(isinstance(s, str) and s for s in self.stop), "stop must be a list of non-empty strings")
+        for name in ("presence_penalty", "frequency_penalty"):
+            _require(-2 <= getattr(self, name) <= 2, f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if self.seed is not None:
+            seed = _number("seed", self.seed, integer=True)
+            _require(
+                SEED_RANGE[0] <= seed < SEED_RANGE[1],
+                f"seed must be a 64-bit integer (between -2^63 and 2^64 - 1), got {seed}",
+            )
+            set_("seed", None if seed == -1 else seed)
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        _require(all(isinstance(s, str) and s for s in stop), "stop must be a list of non-empty strings")
+        _require(
+            len(stop) <= MAX_STOP_STRINGS,
+            f"stop may hold at most {MAX_STOP_STRINGS} strings, got {len(stop)}",
+        )
+        _require(
+            all(len(s) <= MAX_STOP_STRING_CHARS for s in stop),
+            f"each stop string may be at most {MAX_STOP_STRING_CHARS} characters long",
+        )
+        set_("stop", stop)
+        ids = tuple(dict.fromkeys(_number("stop_token_ids", t, integer=True) for t in self.stop_token_ids))
+        _require(all(t >= 0 for t in ids), "stop_token_ids must be token ids (>= 0)")
+        _require(len(ids) <= MAX_TOKEN_ID_LIST, f"stop_token_ids may hold at most {MAX_TOKEN_ID_LIST} ids")
+        set_("stop_token_ids", ids)
+        bias = {
+            _number("logit_bias token id", token, integer=True): _number("logit_bias value", value)
+            for token, value in dict(self.logit_bias).items()
+        }
+        _require(all(t >= 0 for t in bias), "logit_bias keys must be token ids (>= 0)")
+        _require(len(bias) <= MAX_TOKEN_ID_LIST, f"logit_bias may hold at most {MAX_TOKEN_ID_LIST} entries")
+        set_("logit_bias", bias)
+        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
+            _require(isinstance(getattr(self, name), bool), f"{name} must be true or false")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def penalized(self) -> bool:
+        """Whether a choice depends on the tokens before it (penalties)."""
+        return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
 
-def field_names(cls: type) -> tuple[str, ...]:
-    """The settable field names of one of the dataclasses above."""
-    return tuple(f.name for f in fields(cls))
+    def check_vocabulary(self, vocab_size: int) -> None:
+        """Refuse token ids (stop_token_ids, logit_bias) the model cannot produce."""
+        for name, ids in (("stop_token_ids", self.stop_token_ids), ("logit_bias", tuple(self.logit_bias))):
+            bad = [t for t in ids if t >= vocab_size]
+            _require(not bad, f"{name} holds token ids outside the vocabulary (size {vocab_size}): {bad[:5]}")
 
 
 @dataclass(frozen=True)
@@ -128,11 +234,14 @@ class DecoderConfig:
     (on a 2-core CPU a plain step of 8 rows already costs 1.6x one row; a GPU affords more).
     prefix_cache_tokens: prompt tokens whose KV is kept for later prompts that share a prefix
     (runtime/prefix_cache.py); 0 turns the cache off.
+    kv_cache_bytes: most bytes the running requests' KV pool may hold, counted for each request's
+    longest possible sequence (prompt + max_tokens + one draft); 0: no bound.
     """
 
     step_token_budget: int = 128
     max_speculative_batch: int = 3
     prefix_cache_tokens: int = 2048
+    kv_cache_bytes: int = 2 * 1024**3
 
     def __post_init__(self) -> None:
         _require(self.step_token_budget >= 1, f"step_token_budget must be >= 1, got {self.step_token_budget}")
@@ -143,6 +252,7 @@ class DecoderConfig:
         _require(
             self.prefix_cache_tokens >= 0, f"prefix_cache_tokens must be >= 0, got {self.prefix_cache_tokens}"
         )
+        _require(self.kv_cache_bytes >= 0, f"kv_cache_bytes must be >= 0, got {self.kv_cache_bytes}")
 
 
 @dataclass(frozen=True)

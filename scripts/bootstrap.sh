@@ -9,6 +9,7 @@
 # - the default model, converted once into .cache/models, and the packed linear kernel, compiled
 #   once into .cache/kernels (python -m lookahead prepare).
 # - .venv-perf: perf_analyzer (requirements-perf.txt) and the libb64-0d system package it needs.
+# - .venv-genai-perf: genai-perf 0.0.16 and its dependencies (requirements-genai-perf.txt).
 # pip is skipped while a stamp holding the requirements' hash is current, so a second run takes
 # seconds. PYTHON chooses the interpreter for new environments (default python3, >= 3.10).
 
@@ -82,6 +83,13 @@ _lookahead_bootstrap() (
         stamp .venv-perf requirements-perf.txt > .venv-perf/.bootstrap.sha256
     fi
 
+    make_venv .venv-genai-perf
+    if ! is_current .venv-genai-perf requirements-genai-perf.txt; then
+        echo "bootstrap: installing requirements-genai-perf.txt into .venv-genai-perf"
+        pip_install .venv-genai-perf --no-deps -r requirements-genai-perf.txt
+        stamp .venv-genai-perf requirements-genai-perf.txt > .venv-genai-perf/.bootstrap.sha256
+    fi
+
     if ! { ldconfig -p || /sbin/ldconfig -p; } 2>/dev/null | grep 'libb64\.so\.0d' >/dev/null; then
         echo "bootstrap: installing the system package libb64-0d (needed by perf_analyzer)"
         if ! as_root apt-get install -y -q libb64-0d >/dev/null 2>&1; then
@@ -90,7 +98,7 @@ _lookahead_bootstrap() (
                     "install it as root: apt-get install libb64-0d" >&2
         fi
     fi
-    echo "bootstrap: ready (.venv; perf_analyzer via scripts/perf_analyzer.sh)"
+    echo "bootstrap: ready (.venv; perf_analyzer via scripts/perf_analyzer.sh; genai-perf in .venv-genai-perf)"
 )
 
 if [[ "${BASH_SOURCE[0]}" != "$0" ]]; then

@@ -22,7 +22,7 @@ from lookahead.models.loading import apply_execution_path
 TEST_DEVICE = os.environ.get("LOOKAHEAD_TEST_DEVICE", "cpu")
 TEST_DTYPE = getattr(torch, os.environ.get("LOOKAHEAD_TEST_DTYPE", "float32"))
 
-TINY_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "gemma", "glm", "glm4")
+TINY_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "gemma3_text", "glm", "glm4")
 
 _TINY_CONFIG = dict(
     vocab_size=256,
@@ -85,12 +85,17 @@ def build_tiny_model(
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     model.to(TEST_DEVICE, TEST_DTYPE)
+    apply_kernel(model, linear_kernel)
+    return model
+
+
+def apply_kernel(model: Any, linear_kernel: str) -> None:
+    """Set up a model's execution path: "stock", "packed" (the chosen variant) or "packed-<variant>"."""
     kernel, _, variant = linear_kernel.partition("-")
     if variant:
         apply_fast_path(model, kernel, variant_named(variant))
     else:
         apply_execution_path(model, kernel)
-    return model
 
 
 def plain_greedy(model: Any, prompt: list[int], max_tokens: int) -> list[int]:

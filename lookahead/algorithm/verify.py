@@ -23,11 +23,13 @@ class TokenSelector(Protocol):
     """How one request picks a token from one position's logits (runtime/sampling.py)."""
 
     @property
-    def needs_history(self) -> bool:
+    def needs_path(self) -> bool:
         """Whether a choice depends on more than its own logits (so the rows cannot be batched)."""
         ...
 
-    def select(self, history: torch.Tensor, logits: torch.Tensor) -> int: ...
+    def select(self, path: Sequence[int], logits: torch.Tensor) -> int:
+        """The token after the committed tokens and `path` (draft tokens since the root)."""
+        ...
 
     def select_all_greedy(self, logits: torch.Tensor) -> list[int]: ...
 
@@ -37,17 +39,20 @@ class Verdict:
     accepted_nodes: list[int]  # draft node indices accepted, in path order (root excluded)
     tokens: list[int]  # accepted draft tokens followed by the bonus token
 
+    @property
+    def rows(self) -> list[int]:
+        """The logits row each token was chosen from: the root's, then each accepted node's."""
+        return [0, *self.accepted_nodes]
 
-def verify(draft: Draft, logits: torch.Tensor, history: Sequence[int], selector: TokenSelector) -> Verdict:
+
+def verify(draft: Draft, logits: torch.Tensor, selector: TokenSelector) -> Verdict:
     """Accept the longest draft path the model agrees with, plus one bonus token.
 
     logits: [len(draft), vocab], row k = the model's next-token logits after node k's path.
-    history: ids of the committed sequence up to and including the root (read only by selectors
-    that need it: greedy without processors never pays for the ~50 us tensor).
     """
     children = draft.children()
-    if selector.needs_history:
-        choose = _choose_with_history(draft, logits, history, selector)
+    if selector.needs_path:
+        choose = _choose_along_path(draft, logits, selector)
     else:
         choices = selector.select_all_greedy(logits)
         choose = choices.__getitem__
@@ -62,17 +67,14 @@ def verify(draft: Draft, logits: torch.Tensor, history: Sequence[int], selector:
         node = child
 
 
-def _choose_with_history(
-    draft: Draft, logits: torch.Tensor, history: Sequence[int], selector: TokenSelector
-) -> Callable[[int], int]:
-    """A chooser that feeds each node's ancestor path to the processors, lazily, node by node."""
-    committed = torch.tensor(history, device=logits.device)
-    path_ids: list[int] = []
+def _choose_along_path(draft: Draft, logits: torch.Tensor, selector: TokenSelector) -> Callable[[int], int]:
+    """A chooser that hands each node its ancestor path (draft tokens after the root), lazily, node
+    by node: verification only walks down the accepted branch."""
+    path: list[int] = []
 
     def choose(node: int) -> int:
         if node:
-            path_ids.append(draft.tokens[node])
-        ids = committed if not path_ids else torch.cat([committed, committed.new_tensor(path_ids)])
-        return selector.select(ids, logits[node])
+            path.append(draft.tokens[node])
+        return selector.select(path, logits[node])
 
     return choose

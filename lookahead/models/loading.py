@@ -56,6 +56,11 @@ class LoadedModel:
     execution: str = "stock linear layers"
     cost_prior: dict[int, float] | None = None
 
+    @property
+    def vocab_size(self) -> int:
+        """Token ids the model embeds: every id a draft may carry is below this."""
+        return self.model.get_input_embeddings().num_embeddings
+
 
 class NoTokenizer:
     """Stands in for the tokenizer of a model folder that has none: token ids in, token ids out.

@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
+from transformers import DynamicCache
 
 from ..algorithm.draft import Draft
 from ..algorithm.planner import Calibration, CostModel, plan_step
@@ -27,10 +28,10 @@ from ..algorithm.trie import NGramTrie
 from ..algorithm.verify import verify
 from ..config import DecoderConfig, LookaheadConfig, SamplingParams, TrieConfig
 from .generation import Generation, GenerationStats, StepOutput
-from .kv_pool import KVPool, accepted_moves
+from .kv_pool import KVPool, accepted_moves, pow2
 from .output_layer import plain_output_layer
 from .prefix_cache import PrefixCache
-from .step_inputs import decode_inputs
+from .step_inputs import AttentionMasks, decode_inputs, to_device
 from .stop_words import stop_word_ids
 
 if TYPE_CHECKING:
@@ -38,6 +39,8 @@ if TYPE_CHECKING:
 
 __all__ = ["Generation", "GenerationStats", "LookaheadDecoder", "StepOutput"]
 
+# Prompt positions whose logits exist at once when prompt logprobs are scored (rows x vocab floats).
+_SCORED_ROWS = 256
 # The trie's probabilities overstate acceptance about threefold until calibrated (the shared
 # ratio settles at 0.3-0.4 on every benchmark set), so a cold decoder starts there.
 INITIAL_CALIBRATION = 0.35
@@ -46,7 +49,7 @@ INITIAL_CALIBRATION = 0.35
 class LookaheadDecoder:
     """Shared state of all requests served by one model instance (owned by one thread).
 
-    step_token_budget, max_speculative_batch, prefix_cache_tokens: see `DecoderConfig`.
+    step_token_budget, max_speculative_batch, prefix_cache_tokens, kv_cache_bytes: see `DecoderConfig`.
     cost_prior: the forward's relative cost by tokens fed on this execution path, which the cost
     model starts from (`LoadedModel.cost_prior`); None: the device's default curve.
     """
@@ -62,9 +65,12 @@ class LookaheadDecoder:
         step_token_budget: int = DecoderConfig.step_token_budget,
         max_speculative_batch: int = DecoderConfig.max_speculative_batch,
         prefix_cache_tokens: int = DecoderConfig.prefix_cache_tokens,
+        kv_cache_bytes: int = DecoderConfig.kv_cache_bytes,
         cost_prior: Mapping[int, float] | None = None,
     ):
-        DecoderConfig(step_token_budget, max_speculative_batch, prefix_cache_tokens)  # validates
+        DecoderConfig(
+            step_token_budget, max_speculative_batch, prefix_cache_tokens, kv_cache_bytes
+        )  # validates
         self.model = model
         self.tokenizer = tokenizer
         self.trie = trie
@@ -76,6 +82,11 @@ class LookaheadDecoder:
         self.trie_depth = trie.max_depth if trie is not None else TrieConfig.depth
         self.device = next(model.parameters()).device
         self.dtype = model.dtype  # a property that walks every parameter: read once
+        self.masks = AttentionMasks(model.config, self.dtype)
+        self.vocab_size = model.get_input_embeddings().num_embeddings
+        self.context_length: int | None = getattr(model.config, "max_position_embeddings", None)
+        self.kv_cache_bytes = kv_cache_bytes
+        self._kv_bytes_per_token: int | None = None
         self.pool = KVPool()
         self.prefix_cache = PrefixCache(prefix_cache_tokens)
         self.cost = CostModel.for_device(self.device.type, dict(cost_prior) if cost_prior else None)
@@ -114,6 +125,7 @@ class LookaheadDecoder:
             step_token_budget=settings.step_token_budget,
             max_speculative_batch=settings.max_speculative_batch,
             prefix_cache_tokens=settings.prefix_cache_tokens,
+            kv_cache_bytes=settings.kv_cache_bytes,
             cost_prior=loaded.cost_prior,
         )
 
@@ -124,9 +136,54 @@ class LookaheadDecoder:
         lookahead: LookaheadConfig | None = None,
         request_id: str = "",
     ) -> Generation:
-        if not prompt_ids:
-            raise ValueError("the prompt must contain at least one token")
+        self.check_request(len(prompt_ids), params, lookahead or self.config)
         return Generation(self, list(prompt_ids), params, lookahead or self.config, request_id)
+
+    def check_request(self, prompt_length: int, params: SamplingParams, lookahead: LookaheadConfig) -> None:
+        """Raise ValueError for a request this decoder can never serve: an empty prompt, token ids
+        outside the vocabulary, more tokens than the model's context, more KV than kv_cache_bytes."""
+        if prompt_length < 1:
+            raise ValueError("the prompt must contain at least one token")
+        params.check_vocabulary(self.vocab_size)
+        total = prompt_length + params.max_tokens
+        if self.context_length is not None and total > self.context_length:
+            raise ValueError(
+                f"the prompt ({prompt_length} tokens) and max_tokens ({params.max_tokens}) exceed the "
+                f"model's context length ({self.context_length} tokens)"
+            )
+        needed = self.kv_bytes([self.longest(prompt_length, params, lookahead)])
+        if self.kv_cache_bytes and needed > self.kv_cache_bytes:
+            raise ValueError(
+                f"the prompt ({prompt_length} tokens) and max_tokens ({params.max_tokens}) need "
+                f"{needed} bytes of KV cache, more than kv_cache_bytes ({self.kv_cache_bytes})"
+            )
+
+    @staticmethod
+    def longest(prompt_length: int, params: SamplingParams, lookahead: LookaheadConfig) -> int:
+        """The most KV entries a request can hold: its prompt, its output and one step's draft."""
+        return prompt_length + params.max_tokens + lookahead.decoding_length
+
+    def kv_bytes(self, longest: Sequence[int]) -> int:
+        """Bytes of the KV pool holding requests that hold at most these many entries each."""
+        if not longest:
+            return 0
+        return len(longest) * pow2(max(longest)) * self.kv_bytes_per_token
+
+    def fits(self, longest: Sequence[int]) -> bool:
+        """Whether requests holding at most these many entries each fit within kv_cache_bytes."""
+        return not self.kv_cache_bytes or self.kv_bytes(longest) <= self.kv_cache_bytes
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of one position's keys and values over all layers (measured once, on one token)."""
+        if self._kv_bytes_per_token is None:
+            cache = DynamicCache()
+            with torch.inference_mode():
+                self.model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=self.device), cache=cache)
+            self._kv_bytes_per_token = sum(
+                layer.keys.nbytes + layer.values.nbytes for layer in cache.layers if layer.keys is not None
+            )
+        return self._kv_bytes_per_token
 
     def stream(
         self, prompt_ids: Sequence[int], params: SamplingParams = SamplingParams(), **kwargs: Any
@@ -152,27 +209,52 @@ class LookaheadDecoder:
 
     @torch.inference_mode()
     def step(self, generations: Sequence[Generation]) -> list[StepOutput]:
-        """Advance every generation by one step: prefill the new ones, decode the rest together."""
+        """Advance every generation by one step: prefill the new ones, decode the rest together.
+
+        A request whose own work fails (its draft, its sampler, its text) ends with an output whose
+        `error` says why, finish_reason "error"; the others are unaffected. A failure of the shared
+        forward is raised, before any request has committed anything, so the caller may step
+        each request alone again.
+        """
         if any(gen.finished for gen in generations):
             raise RuntimeError("step() called on a finished or closed generation")
         # A prefill's draft pays only when the steps it saves are the request's own: in a batch
         # above max_speculative_batch every step runs for the others anyway.
         drafting = len(generations) <= self.max_speculative_batch
-        outputs = {id(gen): gen.prefill(drafting) for gen in generations if not gen.in_pool}
+        outputs = {}
+        for gen in generations:
+            if not gen.in_pool:
+                outputs[id(gen)] = _isolated(gen, lambda gen=gen: gen.prefill(drafting))
         running = [gen for gen in generations if id(gen) not in outputs]
         if running:
             running = self.pool.arrange(running, max(len(gen.ids) - 1 for gen in running))
             outputs.update(zip(map(id, running), self._decode(running)))
+        self._fit_pool()
         return [outputs[id(gen)] for gen in generations]
+
+    def _fit_pool(self) -> None:
+        """Give memory back: all of it when no request runs, the excess when over kv_cache_bytes."""
+        if self.pool.idle:
+            self.pool.free()
+        elif self.kv_cache_bytes and self.pool.nbytes > self.kv_cache_bytes:
+            held = [len(gen.ids) for gen in self.pool.owners if gen is not None]
+            self.pool.shrink(max(held) + self.step_token_budget)
 
     def _decode(self, gens: list[Generation]) -> list[StepOutput]:
         """One forward for `gens`, which hold pool slots 0..k-1 in this order (see KVPool.arrange)."""
+        failed: dict[int, StepOutput] = {}
         if len(gens) > self.max_speculative_batch:
             drafts = [Draft.root_only(gen.ids[-1]) for gen in gens]
         else:
             # The step's budget caps every draft (see plan_step): build no node it would trim.
             width = max(1, self.step_token_budget // len(gens))
-            drafts = [gen.retrieve(width) for gen in gens]
+            drafts = []
+            for gen in gens:
+                try:
+                    drafts.append(gen.retrieve(width))
+                except Exception as error:  # this request fails; its row still runs, unread
+                    failed[id(gen)] = _failure(gen, error)
+                    drafts.append(Draft.root_only(gen.ids[-1]))
         drafts = plan_step(
             drafts,
             [g.calibration for g in gens],
@@ -183,25 +265,39 @@ class LookaheadDecoder:
         started = time.perf_counter()
         lengths = [len(gen.ids) - 1 for gen in gens]
         logits = self.forward_drafts(drafts, lengths)
-        verdicts = [
-            verify(draft, rows, gen.ids, gen.selector) for gen, draft, rows in zip(gens, drafts, logits)
-        ]
+        verdicts = {}
+        for gen, draft, rows in zip(gens, drafts, logits):
+            if id(gen) not in failed:
+                try:
+                    verdicts[id(gen)] = verify(draft, rows, gen.selector)
+                except Exception as error:
+                    failed[id(gen)] = _failure(gen, error)
         self.pool.compact(
             [
                 move
-                for slot, (length, verdict) in enumerate(zip(lengths, verdicts))
-                for move in accepted_moves(slot, length, verdict.accepted_nodes)
+                for slot, (gen, length) in enumerate(zip(gens, lengths))
+                if id(gen) in verdicts
+                for move in accepted_moves(slot, length, verdicts[id(gen)].accepted_nodes)
             ]
         )
         elapsed = time.perf_counter() - started
         width = max(len(d) for d in drafts)
         self.cost.observe(len(gens) * width, elapsed)
         outputs = []
-        for gen, draft, verdict in zip(gens, drafts, verdicts):
+        for gen, draft, rows in zip(gens, drafts, logits):
+            verdict = verdicts.get(id(gen))
+            if verdict is None:
+                outputs.append(failed[id(gen)])
+                continue
             gen.stats.steps += 1
             gen.record_verdict(draft, verdict)
             gen.stats.forward_seconds.append(elapsed)
-            outputs.append(gen.commit(verdict.tokens))
+            chosen = rows[verdict.rows] if gen.cumulative_logprob is not None else None
+            outputs.append(
+                _isolated(
+                    gen, lambda gen=gen, verdict=verdict, chosen=chosen: gen.commit(verdict.tokens, chosen)
+                )
+            )
         return outputs
 
     def forward_drafts(self, drafts: list[Draft], lengths: list[int]) -> list[torch.Tensor]:
@@ -210,11 +306,11 @@ class LookaheadDecoder:
         Writes the drafts' KV entries but commits nothing, so the same call can be repeated.
         """
         k, width = len(drafts), max(len(d) for d in drafts)
-        ids, positions, mask = decode_inputs(drafts, lengths, self.dtype)
+        ids, positions, mask = decode_inputs(drafts, lengths, self.masks)
         inputs = {
             "input_ids": ids.to(self.device),
             "position_ids": positions.to(self.device),
-            "attention_mask": mask.to(self.device),
+            "attention_mask": to_device(mask, self.device),
             "cache": self.pool.step_cache(lengths, width),
             "use_cache": True,
         }
@@ -231,9 +327,38 @@ class LookaheadDecoder:
             rows = torch.cat([hidden[i, :n] for i, n in enumerate(sizes)])
         return list(self.head_of_hidden(rows).split(sizes))
 
-    def last_logits(self, keep: int, **inputs: Any) -> torch.Tensor:
-        """Logits [keep, vocab] of the last `keep` positions of a one-row forward (a prefill)."""
+    def last_logits(
+        self, keep: int, *, on_earlier_logits: Callable[[torch.Tensor], None] | None = None, **inputs: Any
+    ) -> torch.Tensor:
+        """Logits [keep, vocab] of the last `keep` positions of a one-row forward (a prefill).
+
+        on_earlier_logits: called with the logits of the positions before them, in order, a block
+        of rows at a time (prompt logprobs), from the same forward.
+        """
+        if on_earlier_logits is None:
+            if self.head_of_hidden is None:
+                return self.model(**inputs, logits_to_keep=keep).logits[0]
+            hidden = self.inner(**inputs).last_hidden_state
+            return self.head_of_hidden(hidden[0, -keep:])
         if self.head_of_hidden is None:
-            return self.model(**inputs, logits_to_keep=keep).logits[0]
-        hidden = self.inner(**inputs).last_hidden_state
-        return self.head_of_hidden(hidden[0, -keep:])
+            logits = self.model(**inputs, logits_to_keep=0).logits[0]
+            if len(logits) > keep:
+                on_earlier_logits(logits[:-keep])
+            return logits[-keep:]
+        hidden = self.inner(**inputs).last_hidden_state[0]
+        for block in hidden[:-keep].split(_SCORED_ROWS):
+            on_earlier_logits(self.head_of_hidden(block))
+        return self.head_of_hidden(hidden[-keep:])
+
+
+def _isolated(gen: Generation, work: Callable[[], StepOutput]) -> StepOutput:
+    """`work` for one generation; its exception becomes that generation's failed output."""
+    try:
+        return work()
+    except Exception as error:
+        return _failure(gen, error)
+
+
+def _failure(gen: Generation, error: Exception) -> StepOutput:
+    gen.close("error")
+    return StepOutput([], "", "error", error=error)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
+from transformers import DynamicCache
 
 from ..algorithm.draft import Draft
 from ..algorithm.planner import Calibration, plan_step
@@ -23,8 +24,9 @@ from ..algorithm.verify import Verdict, verify
 from ..config import LookaheadConfig, SamplingParams
 from .detokenizer import Detokenizer
 from .kv_pool import accepted_moves
+from .logprobs import PositionLogprobs, token_logprobs
 from .sampling import TokenSelector
-from .step_inputs import prefill_inputs
+from .step_inputs import prefill_inputs, to_device
 
 if TYPE_CHECKING:
     from .decoder import LookaheadDecoder
@@ -37,7 +39,9 @@ REQUEST_CALIBRATION_RATE = 0.15
 class StepOutput:
     token_ids: list[int]
     text: str
-    finish_reason: str | None = None  # None while running, else "stop", "length" or "cancelled"
+    finish_reason: str | None = None  # None while running, else "stop", "length", "cancelled" or "error"
+    logprobs: list[PositionLogprobs] | None = None  # one per token, when params.logprobs is set
+    error: Exception | None = None  # why the request failed (finish_reason "error"); the others went on
 
 
 @dataclass
@@ -82,11 +86,23 @@ class Generation:
         self.stats = GenerationStats(prompt_tokens=len(prompt_ids))
         self.finish_reason: str | None = None
         self.in_pool = False  # holds a KV pool slot (prefilled and not yet finished)
-        self.eos = frozenset() if params.ignore_eos else frozenset(decoder.eos_token_ids)
+        eos = () if params.ignore_eos else decoder.eos_token_ids
+        self.stop_tokens = frozenset(eos) | frozenset(params.stop_token_ids)  # tokens that end the output
         shared = decoder.calibration
         self.calibration = Calibration(shared.ratio, shared.side_ratio, rate=REQUEST_CALIBRATION_RATE)
-        self.selector = TokenSelector(params, self.prompt_len, decoder.eos_token_ids, decoder.device)
-        self.detokenizer = Detokenizer(decoder.tokenizer, prompt_ids, params.stop)
+        # min_tokens keeps EOS out even with ignore_eos, as vLLM does.
+        suppressed = (*decoder.eos_token_ids, *params.stop_token_ids)
+        self.selector = TokenSelector(params, prompt_ids, suppressed, decoder.device)
+        self.detokenizer = Detokenizer(
+            decoder.tokenizer,
+            prompt_ids,
+            params.stop,
+            include_stop=params.include_stop_str_in_output,
+            skip_special_tokens=params.skip_special_tokens,
+            min_tokens=params.min_tokens,
+        )
+        self.cumulative_logprob: float | None = 0.0 if params.logprobs is not None else None
+        self.prompt_logprobs: list[PositionLogprobs | None] | None = None
         self.local: NGramTrie | None = None
         self.spans: SpanIndex | None = None
         self.writers: list[TrieWriter] = []
@@ -123,14 +139,14 @@ class Generation:
         """Advance this generation alone (the engine batches through decoder.step)."""
         return self.decoder.step([self])[0]
 
-    def close(self) -> None:
-        """Free the KV slot and the request's own trie (finished, cancelled or abandoned)."""
+    def close(self, reason: str = "cancelled") -> None:
+        """Free the KV slot and the request's own trie (finished, cancelled, failed or abandoned)."""
         if self.in_pool:
             self.decoder.pool.release(self)
             self.in_pool = False
         self.local, self.spans, self.writers = None, None, []
         if self.finish_reason is None:
-            self.finish_reason = "cancelled"
+            self.finish_reason = reason
 
     def prefill(self, drafting: bool) -> StepOutput:
         """Feed the prompt, less any prefix the prefix cache holds, and in the same forward (when
@@ -151,15 +167,18 @@ class Generation:
                 decoder.cost,
                 decoder.step_token_budget,
             )
-        cached, cache = decoder.prefix_cache.lookup(self.ids)
+        # Prompt logprobs need every prompt position's logits: a cached prefix would have none.
+        scoring = self.params.prompt_logprobs is not None
+        cached, cache = decoder.prefix_cache.lookup(self.ids) if not scoring else (0, DynamicCache())
         inputs: dict[str, Any] = {"cache": cache, "use_cache": True}
         if len(draft) > 1:
-            positions, mask = prefill_inputs(draft, root, cached, decoder.dtype)
+            positions, mask = prefill_inputs(draft, root, cached, decoder.masks)
             inputs["position_ids"] = positions[None].to(decoder.device)
-            inputs["attention_mask"] = mask[None, None].to(decoder.device)
+            inputs["attention_mask"] = to_device(mask, decoder.device)
         ids = torch.tensor([self.ids[cached:root] + draft.tokens], device=decoder.device)
-        logits = decoder.last_logits(len(draft), input_ids=ids, **inputs)
-        verdict = verify(draft, logits, self.ids, self.selector)
+        earlier = self._score_prompt if scoring else None
+        logits = decoder.last_logits(len(draft), on_earlier_logits=earlier, input_ids=ids, **inputs)
+        verdict = verify(draft, logits, self.selector)
         decoder.prefix_cache.store(self.ids, cache)
         self.stats.cached_prompt_tokens = cached
         slot = decoder.pool.admit(self, cache)
@@ -167,7 +186,21 @@ class Generation:
         decoder.pool.compact(accepted_moves(slot, root, verdict.accepted_nodes))
         self.record_verdict(draft, verdict)
         self.stats.prefill_seconds = time.perf_counter() - started
-        return self.commit(verdict.tokens)
+        return self.commit(
+            verdict.tokens, logits[verdict.rows] if self.cumulative_logprob is not None else None
+        )
+
+    def _score_prompt(self, logits: torch.Tensor) -> None:
+        """Logprobs of the prompt tokens after the rows of `logits`, the next ones of the prompt."""
+        if self.prompt_logprobs is None:
+            self.prompt_logprobs = [None]  # the first prompt token has nothing before it
+        start = len(self.prompt_logprobs)
+        tokens = self.ids[start : start + len(logits)]
+        decode = self._decode_one
+        self.prompt_logprobs += token_logprobs(logits, tokens, self.params.prompt_logprobs, decode)
+
+    def _decode_one(self, token: int) -> str:
+        return self.decoder.tokenizer.decode([token])
 
     def retrieve(self, max_width: int) -> Draft:
         """The draft this request would like to verify next, at most max_width nodes (the batch plan
@@ -186,7 +219,7 @@ class Generation:
             mode=self.config.decoding_mode,
             max_query_length=self.config.max_query_length,
             copy=self.spans.continuation(depth),
-            stop_tokens=self.eos,
+            stop_tokens=self.stop_tokens,
             stop_words=self.stop_words,
         )
         self.stats.retrieval_seconds.append(time.perf_counter() - started)
@@ -207,24 +240,37 @@ class Generation:
                 f"{len(draft) - 1} tokens ({origins}), accepted {len(verdict.accepted_nodes)}"
             )
 
-    def commit(self, tokens: list[int]) -> StepOutput:
-        """Append the step's tokens, applying length and EOS limits; feed the tries and the detokenizer."""
-        tokens = tokens[: self.params.max_tokens - self.stats.output_tokens]
-        hit_eos = next((i for i, t in enumerate(tokens) if t in self.eos), None)
-        if hit_eos is not None:
-            tokens = tokens[: hit_eos + 1]
+    def commit(self, tokens: list[int], rows: torch.Tensor | None = None) -> StepOutput:
+        """Append the step's tokens as plain decoding would have produced them: up to max_tokens, a
+        stop token or the token that completes a stop string, and not one beyond. Feed the tries,
+        the sampler and the detokenizer with exactly those. rows: the logits each token was chosen
+        from (for logprobs)."""
+        params = self.params
+        tokens = tokens[: params.max_tokens - self.stats.output_tokens]
+        stop_at = next((i for i, t in enumerate(tokens) if t in self.stop_tokens), None)
+        if stop_at is not None:
+            tokens = tokens[: stop_at + 1]
+        # The stop token's own text is left out unless include_stop_str_in_output (vLLM's rule).
+        shown = tokens if stop_at is None or params.include_stop_str_in_output else tokens[:-1]
+        text, consumed = self.detokenizer.push(shown)
+        if self.detokenizer.stopped:
+            tokens, stop_at = tokens[:consumed], None
         self.ids.extend(tokens)
         self.stats.output_tokens += len(tokens)
+        self.selector.commit(tokens)
         for writer in self.writers:
-            writer.feed(tokens[:hit_eos] if hit_eos is not None else tokens, self.stop_words)
+            writer.feed(tokens[:stop_at] if stop_at is not None else tokens, self.stop_words)
         if self.spans is not None:
             self.spans.extend(tokens)
-        text = self.detokenizer.push(tokens)
-        if hit_eos is not None or self.detokenizer.stopped:
+        logprobs = None
+        if self.cumulative_logprob is not None and rows is not None:
+            logprobs = token_logprobs(rows[: len(tokens)], tokens, params.logprobs, self._decode_one)
+            self.cumulative_logprob += sum(position[t].logprob for position, t in zip(logprobs, tokens))
+        if stop_at is not None or self.detokenizer.stopped:
             self.finish_reason = "stop"
-        elif self.stats.output_tokens >= self.params.max_tokens:
+        elif self.stats.output_tokens >= params.max_tokens:
             self.finish_reason = "length"
         if self.finished:
             text += self.detokenizer.flush()
             self.close()
-        return StepOutput(tokens, text, self.finish_reason)
+        return StepOutput(tokens, text, self.finish_reason, logprobs)

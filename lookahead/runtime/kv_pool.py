@@ -87,11 +87,38 @@ class KVPool:
     def capacity(self) -> int:
         return self.keys[0].shape[2] if self.keys else 0
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes the buffers hold."""
+        return sum(buffer.nbytes for buffers in (self.keys, self.values) for buffer in buffers)
+
+    @property
+    def idle(self) -> bool:
+        """Buffers allocated, and no request holding a slot."""
+        return bool(self.keys) and all(owner is None for owner in self.owners)
+
+    def free(self) -> None:
+        """Drop the buffers (the next admit allocates them again, as small as it needs)."""
+        self.keys, self.values, self.owners = [], [], []
+
+    def shrink(self, capacity: int) -> None:
+        """Drop the free slots after the last one held and shorten every slot to `capacity` entries
+        (at least what any holder has written: the caller knows the lengths)."""
+        slots = max((i for i, owner in enumerate(self.owners) if owner is not None), default=-1) + 1
+        capacity = pow2(capacity)
+        if slots == len(self.owners) and capacity >= self.capacity:
+            return
+        capacity = min(capacity, self.capacity)
+        for buffers in (self.keys, self.values):
+            for i, old in enumerate(buffers):
+                buffers[i] = old[:slots, :, :capacity].clone()
+        del self.owners[slots:]
+
     def admit(self, owner: object, cache: DynamicCache) -> int:
         """Give `owner` a free slot holding the prefill KV in `cache`; return the slot."""
         length = cache.get_seq_length()
         if not self.keys:
-            self._allocate(cache, slots=1, capacity=max(_INITIAL_LENGTH, _pow2(length)))
+            self._allocate(cache, slots=1, capacity=max(_INITIAL_LENGTH, pow2(length)))
         slot = next((i for i, o in enumerate(self.owners) if o is None), None)
         if slot is None:
             slot = len(self.owners)
@@ -131,7 +158,7 @@ class KVPool:
     def reserve(self, length: int) -> None:
         """Make every slot able to hold `length` entries."""
         if length > self.capacity:
-            self._resize(slots=len(self.owners), capacity=_pow2(length))
+            self._resize(slots=len(self.owners), capacity=pow2(length))
 
     def step_cache(self, lengths: list[int], q: int) -> StepCache:
         """A cache for one forward of q tokens per slot 0..k-1, slot i writing at lengths[i]."""
@@ -182,5 +209,6 @@ def accepted_moves(slot: int, length: int, accepted_nodes: Sequence[int]) -> lis
     ]
 
 
-def _pow2(n: int) -> int:
+def pow2(n: int) -> int:
+    """The smallest power of two >= n (1 for n <= 1)."""
     return 1 << max(0, (n - 1).bit_length())

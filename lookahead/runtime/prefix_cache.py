@@ -4,7 +4,8 @@ Chat requests share at least their template's system prompt (24 tokens for the d
 a quarter to a third of a short question), and a conversation's next turn repeats the whole
 previous one. A prefill is bound by arithmetic, so every token found here is one the model
 does not recompute. Entries are whole prompts, least recently used dropped first, within a
-bound on the tokens held; a lookup takes the longest common prefix with any of them.
+bound on the KV positions held (a prefill's tensors also hold its draft's positions, and those
+count too); a lookup takes the longest common prefix with any of them.
 Logits over a cached prefix equal those over a recomputed one up to the attention kernel's
 summation order, which depends on how many rows it is fed (~1e-7 relative, as between a plain
 prefill and the decoder's own steps; tests/test_prefix_cache.py).
@@ -27,7 +28,7 @@ class _Entry:
 
 
 class PrefixCache:
-    """At most `capacity` prompt tokens' KV entries (0 disables it)."""
+    """At most `capacity` KV positions (0 disables it)."""
 
     def __init__(self, capacity: int) -> None:
         if capacity < 0:
@@ -38,7 +39,7 @@ class PrefixCache:
 
     @property
     def tokens(self) -> int:
-        """Prompt tokens held."""
+        """KV positions held (the prompts' and whatever else their tensors hold)."""
         return self._held
 
     def lookup(self, prompt: list[int]) -> tuple[int, DynamicCache]:
@@ -67,14 +68,15 @@ class PrefixCache:
         """Hold the KV of `prompt`, whose entries are the first len(prompt) of `cache` (not copied:
         the caller must not write to it again)."""
         key = tuple(prompt)
-        if len(prompt) > self.capacity or key in self._entries:
+        held = cache.layers[0].keys.shape[-2] if cache.layers else 0
+        if held > self.capacity or key in self._entries:
             return
-        while self._held + len(prompt) > self.capacity:
+        while self._held + held > self.capacity:
             _, dropped = self._entries.popitem(last=False)
-            self._held -= len(dropped.tokens)
+            self._held -= dropped.keys[0].shape[-2]
         self._entries[key] = _Entry(
             torch.tensor(prompt),
             [layer.keys for layer in cache.layers],
             [layer.values for layer in cache.layers],
         )
-        self._held += len(prompt)
+        self._held += held

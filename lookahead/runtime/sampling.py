@@ -1,73 +1,139 @@
-"""Token selection that matches transformers' generate() exactly.
+"""Token selection with vLLM's sampling semantics, exact at every node of a draft tree.
 
-The same processors (repetition penalty, minimum new tokens) and warpers (temperature, top-k,
-top-p) are applied, in generate()'s order, to the logits of each draft node with that node's
-own ancestor path as history. Sampling draws exactly one multinomial sample per emitted token
-from a per-request generator, so a seeded lookahead run emits the same tokens as a seeded
-plain run: speculation changes how many forwards it takes, never what is sampled.
+A node's choice depends on the tokens before it (penalties, min_tokens), so verification hands
+each node its own path: the draft tokens between the request's committed tokens and the node.
+The selector keeps the committed part itself (counts of the output, the prompt's tokens), so a
+node costs one pass over its logits whatever the length of the history. Sampling draws exactly
+one multinomial sample per emitted token from a per-request generator, so a seeded lookahead run
+emits the same tokens as a seeded plain run: speculation changes how many forwards it takes,
+never what is sampled.
 """
 
 from __future__ import annotations
 
 import secrets
+from collections.abc import Sequence
 
 import torch
-from transformers.generation.logits_process import (
-    LogitsProcessorList,
-    MinNewTokensLengthLogitsProcessor,
-    RepetitionPenaltyLogitsProcessor,
-    TemperatureLogitsWarper,
-    TopKLogitsWarper,
-    TopPLogitsWarper,
-)
 
 from ..config import SamplingParams
 
 
 class TokenSelector:
-    """Chooses the next token from one position's logits, for one request."""
+    """Chooses the next token from one position's logits, for one request.
+
+    stop_ids: the ids min_tokens keeps out (EOS and stop_token_ids, as vLLM masks them).
+    """
 
     def __init__(
-        self, params: SamplingParams, prompt_length: int, eos_token_ids: tuple[int, ...], device: torch.device
+        self,
+        params: SamplingParams,
+        prompt_ids: Sequence[int],
+        stop_ids: Sequence[int],
+        device: torch.device,
     ):
+        self.params = params
         self.greedy = params.greedy
-        self.processors = LogitsProcessorList()
-        if params.repetition_penalty != 1.0:
-            self.processors.append(RepetitionPenaltyLogitsProcessor(params.repetition_penalty))
-        if params.min_tokens > 0 and eos_token_ids and not params.ignore_eos:
-            self.processors.append(
-                MinNewTokensLengthLogitsProcessor(
-                    prompt_length, params.min_tokens, list(eos_token_ids), device=device
-                )
-            )
+        self.device = device
+        self.output_len = 0
+        self.suppressed = (
+            torch.tensor(sorted(set(stop_ids)), device=device) if params.min_tokens and stop_ids else None
+        )
+        self.bias = None
+        if params.logit_bias:
+            ids, values = zip(*sorted(params.logit_bias.items()))
+            self.bias = (torch.tensor(ids, device=device), torch.tensor(values, device=device))
+        self.prompt_ids = list(prompt_ids) if params.repetition_penalty != 1 else []
+        self.counts: torch.Tensor | None = None  # [vocab] output token counts, built on first use
+        self.seen: torch.Tensor | None = None  # [vocab] in the prompt or the output
+        self.pending: list[int] = []  # committed tokens not yet in counts/seen
+        self.generator = None
         if not self.greedy:
-            if params.temperature != 1.0:
-                self.processors.append(TemperatureLogitsWarper(params.temperature))
-            if params.top_k:
-                self.processors.append(TopKLogitsWarper(params.top_k))
-            if params.top_p < 1.0:
-                self.processors.append(TopPLogitsWarper(params.top_p))
             seed = params.seed if params.seed is not None else secrets.randbits(63)
             self.generator = torch.Generator(device=device).manual_seed(seed)
 
     @property
-    def needs_history(self) -> bool:
+    def needs_path(self) -> bool:
         """Whether a node's choice depends on more than its own logits (so it cannot be batched)."""
-        return bool(self.processors) or not self.greedy
+        masking = self.suppressed is not None and self.output_len < self.params.min_tokens
+        return masking or self.bias is not None or self.params.penalized or not self.greedy
 
-    def select(self, history: torch.Tensor, logits: torch.Tensor) -> int:
-        """Pick the token after `history` ([seq] ids) from `logits` ([vocab]) of its last position."""
-        scores = logits.float().unsqueeze(0)
-        if self.processors:
-            scores = self.processors(history.unsqueeze(0), scores)
+    def commit(self, tokens: Sequence[int]) -> None:
+        """Tokens appended to the request's output."""
+        self.output_len += len(tokens)
+        if self.params.penalized:
+            self.pending.extend(tokens)
+
+    def select(self, path: Sequence[int], logits: torch.Tensor) -> int:
+        """Pick the token after the committed tokens and `path` (the draft tokens since them) from
+        `logits` ([vocab]) of that position."""
+        scores = self.process(path, logits)
         if self.greedy:
-            return greedy_tokens(scores)[0]
-        probs = torch.softmax(scores, dim=-1)
-        return int(torch.multinomial(probs, num_samples=1, generator=self.generator))
+            return int(scores.argmax())
+        return int(torch.multinomial(self.warp(scores).softmax(-1), 1, generator=self.generator))
 
     def select_all_greedy(self, logits: torch.Tensor) -> list[int]:
-        """Argmax of every row at once: the fast path when no processor needs the history."""
+        """Argmax of every row at once: the fast path when no processor reads the path."""
         return greedy_tokens(logits)
+
+    def process(self, path: Sequence[int], logits: torch.Tensor) -> torch.Tensor:
+        """The logits after min_tokens, logit_bias and the penalties, in vLLM's order (float32)."""
+        params = self.params
+        scores = logits.float().clone()
+        if self.suppressed is not None and self.output_len + len(path) < params.min_tokens:
+            scores[self.suppressed] = -float("inf")
+        if self.bias is not None:
+            scores.index_add_(0, self.bias[0], self.bias[1])
+        if params.penalized:
+            counts, seen = self._history(path, scores.shape[-1])
+            if params.repetition_penalty != 1:
+                penalty = params.repetition_penalty
+                scores = torch.where(
+                    seen, torch.where(scores > 0, scores / penalty, scores * penalty), scores
+                )
+            if params.frequency_penalty:
+                scores -= params.frequency_penalty * counts
+            if params.presence_penalty:
+                scores -= params.presence_penalty * (counts > 0).float()
+        return scores
+
+    def warp(self, scores: torch.Tensor) -> torch.Tensor:
+        """Sampling's transforms of processed logits: temperature, min_p, top_k, top_p."""
+        params = self.params
+        scores = scores / params.temperature
+        if params.min_p > 0:
+            probs = scores.softmax(-1)
+            scores = scores.masked_fill(probs < params.min_p * probs.max(), -float("inf"))
+        if params.top_k and params.top_k < scores.shape[-1]:
+            kth = torch.topk(scores, params.top_k).values[-1]
+            scores = scores.masked_fill(scores < kth, -float("inf"))
+        if params.top_p < 1:
+            ordered, order = scores.sort()
+            removed = ordered.softmax(-1).cumsum(-1) <= 1 - params.top_p
+            removed[-1] = False
+            scores = scores.masked_fill(torch.zeros_like(removed).scatter(0, order, removed), -float("inf"))
+        return scores
+
+    def _history(self, path: Sequence[int], vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(output token counts, prompt-or-output mask) of the committed tokens plus `path`."""
+        if self.counts is None:
+            self.counts = torch.zeros(vocab, device=self.device)
+            self.seen = torch.zeros(vocab, dtype=torch.bool, device=self.device)
+            if self.prompt_ids:
+                self.seen[torch.tensor(self.prompt_ids, device=self.device)] = True
+        if self.pending:
+            self._add(self.counts, self.seen, self.pending)
+            self.pending = []
+        if not path:
+            return self.counts, self.seen
+        counts, seen = self.counts.clone(), self.seen.clone()
+        self._add(counts, seen, path)
+        return counts, seen
+
+    def _add(self, counts: torch.Tensor, seen: torch.Tensor, tokens: Sequence[int]) -> None:
+        ids = torch.tensor(list(tokens), device=self.device)
+        counts.index_add_(0, ids, torch.ones(len(ids), device=self.device))
+        seen[ids] = True
 
 
 def greedy_tokens(logits: torch.Tensor) -> list[int]:

@@ -88,9 +88,17 @@ def _fsync_folder(folder: Path) -> None:
         os.close(descriptor)
 
 
-def load_trie(path: str | os.PathLike[str], *, capacity: int, max_depth: int, fingerprint: str) -> NGramTrie:
+def load_trie(
+    path: str | os.PathLike[str],
+    *,
+    capacity: int,
+    max_depth: int,
+    fingerprint: str,
+    vocab_size: int | None = None,
+) -> NGramTrie:
     """The trie saved at `path`, evicted down to `capacity` if needed; an empty trie when the file
-    is missing (logged at info) or unusable (logged as an error with the reason)."""
+    is missing (logged at info) or unusable (logged as an error with the reason), which includes
+    holding token ids at or above `vocab_size`."""
     path = Path(path)
     empty = NGramTrie(capacity=capacity, max_depth=max_depth)  # raises on a bad configuration, not a bad file
     try:
@@ -102,7 +110,9 @@ def load_trie(path: str | os.PathLike[str], *, capacity: int, max_depth: int, fi
         logger.error("Cannot read trie snapshot %s: %s; starting with an empty trie", path, error)
         return empty
     try:
-        trie = _decode(data, capacity=capacity, max_depth=max_depth, fingerprint=fingerprint)
+        trie = _decode(
+            data, capacity=capacity, max_depth=max_depth, fingerprint=fingerprint, vocab_size=vocab_size
+        )
     except SnapshotError as error:
         logger.error("Ignoring trie snapshot %s: %s; starting with an empty trie", path, error)
         return empty
@@ -110,7 +120,9 @@ def load_trie(path: str | os.PathLike[str], *, capacity: int, max_depth: int, fi
     return trie
 
 
-def _decode(data: bytes, *, capacity: int, max_depth: int, fingerprint: str) -> NGramTrie:
+def _decode(
+    data: bytes, *, capacity: int, max_depth: int, fingerprint: str, vocab_size: int | None
+) -> NGramTrie:
     start = len(MAGIC) + _PREAMBLE.size
     if data[: len(MAGIC)] != MAGIC:
         raise SnapshotError("not a trie snapshot (bad magic bytes)")
@@ -146,6 +158,8 @@ def _decode(data: bytes, *, capacity: int, max_depth: int, fingerprint: str) -> 
     for (name, (_, dtype)), size in zip(STORED.items(), column_bytes, strict=True):
         columns[name] = np.frombuffer(data, dtype=_disk_dtype(dtype), count=node_count + 1, offset=offset)
         offset += size
+    if vocab_size is not None and node_count and int(columns["token"][1:].max()) >= vocab_size:
+        raise SnapshotError(f"token ids outside the model's vocabulary (size {vocab_size})")
     try:
         return NGramTrie.from_columns(columns, capacity=capacity, max_depth=max_depth)
     except ValueError as error:

@@ -20,12 +20,18 @@ from ..algorithm.trie import TOKEN_LIMIT, NGramTrie
 
 
 def warm_up(
-    trie: NGramTrie, path: str | os.PathLike[str], tokenizer: Any = None, *, progress: bool = True
+    trie: NGramTrie,
+    path: str | os.PathLike[str],
+    tokenizer: Any = None,
+    *,
+    progress: bool = True,
+    vocab_size: int = TOKEN_LIMIT,
 ) -> int:
     """Insert every record of the JSONL file at `path` into `trie`; returns the number of records.
 
-    Blank lines are skipped. A bad line raises ValueError naming the file and the line number;
-    records before it stay inserted.
+    Blank lines are skipped. A bad line (token ids at or above vocab_size among them: drafts of
+    them would index past the model's embeddings) raises ValueError naming the file and the line
+    number; records before it stay inserted.
     """
     path = Path(path)
     records = 0
@@ -34,12 +40,12 @@ def warm_up(
             tqdm(lines, desc=f"warm-up {path.name}", unit=" records", disable=not progress), start=1
         ):
             if line.strip():
-                trie.insert(_record_tokens(line, tokenizer, f"{path}:{number}"))
+                trie.insert(_record_tokens(line, tokenizer, f"{path}:{number}", min(vocab_size, TOKEN_LIMIT)))
                 records += 1
     return records
 
 
-def _record_tokens(line: str, tokenizer: Any, where: str) -> list[int]:
+def _record_tokens(line: str, tokenizer: Any, where: str, vocab_size: int) -> list[int]:
     try:
         record = json.loads(line)
     except json.JSONDecodeError as error:
@@ -51,8 +57,11 @@ def _record_tokens(line: str, tokenizer: Any, where: str) -> list[int]:
             raise ValueError(f'{where}: "text" must be a string')
         if tokenizer is None:
             raise ValueError(f'{where}: a "text" record needs a tokenizer')
-        return list(tokenizer.encode(record["text"], add_special_tokens=False))
-    ids = record["token_ids"]
-    if not isinstance(ids, list) or not all(type(t) is int and 0 <= t < TOKEN_LIMIT for t in ids):
-        raise ValueError(f'{where}: "token_ids" must be a list of integers in [0, {TOKEN_LIMIT})')
+        ids = list(tokenizer.encode(record["text"], add_special_tokens=False))
+    else:
+        ids = record["token_ids"]
+    if not isinstance(ids, list) or not all(type(t) is int and 0 <= t < vocab_size for t in ids):
+        raise ValueError(
+            f'{where}: "token_ids" must be a list of integers in [0, {vocab_size}) (the vocabulary)'
+        )
     return ids

@@ -3,11 +3,14 @@ CI=true, where that is a failure: a green CI run means they ran."""
 
 from __future__ import annotations
 
+import json
 import os
+from collections.abc import Iterator
 
 import pytest
 
-from backend.launcher import TritonServerError, find_tritonserver
+from backend.launcher import TritonServer, TritonServerError, find_tritonserver
+from tests.integration.servers import copy_repository, launch
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -18,3 +21,16 @@ def tritonserver_installed() -> None:
         if os.environ.get("CI", "").lower() == "true":
             pytest.fail(f"CI=true, and no tritonserver can start: {error}")
         pytest.skip(f"no tritonserver: {error}")
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TritonServer]:
+    """One tritonserver (lookahead + baseline, a warm-up corpus) shared by the modules that need one."""
+    root = tmp_path_factory.mktemp("shared")
+    repository = copy_repository(
+        root / "repository", root / "state", ("lookahead", "baseline"), warmup_corpus="lookahead/warmup.jsonl"
+    )
+    corpus = repository / "lookahead" / "warmup.jsonl"  # relative paths start at the repository
+    corpus.write_text(json.dumps({"text": "def add(a, b):\n    return a + b\n"}) + "\n")
+    with launch(repository, root / "server.log") as running:
+        yield running

@@ -10,11 +10,9 @@ from __future__ import annotations
 import json
 import queue
 import re
-import shutil
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,59 +21,16 @@ import pytest
 import torch
 import tritonclient.grpc as grpcclient
 
-from backend.launcher import TritonServer, free_port, start_server
+from backend.launcher import TritonServer
 from lookahead.algorithm.trie import NGramTrie
 from lookahead.config import LookaheadConfig, SamplingParams, TrieConfig
 from lookahead.models.loading import LoadedModel
 from lookahead.runtime.decoder import LookaheadDecoder
 from lookahead.state.persistence import load_trie
+from tests.integration.servers import MAX_PROMPT_TOKENS, copy_repository, launch
 
-REPOSITORY = Path(__file__).resolve().parents[2] / "model_repository"
 PROMPT = "def fibonacci(n):"
 MAX_TOKENS = 64
-MAX_PROMPT_TOKENS = 256  # lowered in the test copy so that an over-long prompt stays cheap to build
-
-
-def copy_repository(
-    target: Path, state_dir: Path, models: tuple[str, ...], instances: int = 1, warmup_corpus: str = ""
-) -> Path:
-    """A copy of the shipped repository whose tries live in state_dir."""
-    for model in models:
-        shutil.copytree(REPOSITORY / model, target / model)
-        config = target / model / "config.pbtxt"
-        text = set_parameter(config.read_text(), "max_prompt_tokens", str(MAX_PROMPT_TOKENS))
-        if '"trie_state_dir"' in text:  # the baseline keeps no trie
-            text = set_parameter(text, "trie_state_dir", str(state_dir))
-            text = set_parameter(text, "warmup_corpus", warmup_corpus)
-        text, replaced = re.subn(r"^(\s+count:) \d+$", rf"\1 {instances}", text, flags=re.MULTILINE)
-        assert replaced == 1
-        config.write_text(text)
-    return target
-
-
-def set_parameter(config: str, key: str, value: str) -> str:
-    pattern = rf'(\{{ key: "{key}", value: \{{ string_value: )"[^"]*"'
-    config, replaced = re.subn(pattern, rf'\1"{value}"', config)
-    assert replaced == 1, f"parameter {key} not found"
-    return config
-
-
-def launch(repository: Path, log_file: Path) -> TritonServer:
-    return start_server(
-        repository, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(), log_file=log_file
-    )
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TritonServer]:
-    root = tmp_path_factory.mktemp("shared")
-    repository = copy_repository(
-        root / "repository", root / "state", ("lookahead", "baseline"), warmup_corpus="lookahead/warmup.jsonl"
-    )
-    corpus = repository / "lookahead" / "warmup.jsonl"  # relative paths start at the repository
-    corpus.write_text(json.dumps({"text": "def add(a, b):\n    return a + b\n"}) + "\n")
-    with launch(repository, root / "server.log") as running:
-        yield running
 
 
 @pytest.fixture(scope="module")

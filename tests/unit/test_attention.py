@@ -12,7 +12,11 @@ from lookahead.cpu.attention import GROUPED_SDPA, use_grouped_sdpa
 from tests.helpers import TINY_ARCHITECTURES, build_tiny_model, tree_logits
 
 
-@pytest.mark.parametrize("architecture", TINY_ARCHITECTURES)
+# Gemma 2 attends eagerly (its attention logits are soft-capped), so grouped_sdpa never replaces it.
+SDPA_ARCHITECTURES = tuple(a for a in TINY_ARCHITECTURES if a != "gemma2")
+
+
+@pytest.mark.parametrize("architecture", SDPA_ARCHITECTURES)
 def test_grouped_sdpa_matches_sdpa_bit_for_bit_on_a_tree(
     architecture: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

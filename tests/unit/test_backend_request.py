@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 
 from backend.engine import SHUTDOWN_MESSAGE, Engine, FailureCode, RequestState, TrieSnapshots, Update
 from backend.request import (
@@ -77,9 +78,12 @@ def test_sampling_parameters_accept_strings_and_ignore_unknown_keys():
         "seed": "3",
         "stop": "\n\n",
         "ignore_eos": "true",
-        "lora_name": "ignored",
-        "n": 1,
-        "logprobs": None,
+        "echo": True,  # no vLLM version knows it
+        "n": "1",
+        "best_of": 1,
+        "logprobs": "false",
+        "lora_name": "",
+        "use_beam_search": False,
     }
     request = parse(sampling_parameters=sampling(options))
     assert request.sampling == SamplingParams(
@@ -243,6 +247,8 @@ class ScriptedGeneration:
         self.finished = False
         self.closed = False
         self.in_pool = False  # like Generation: true once its first step (the prefill) ran
+        self.cumulative_logprob = None
+        self.prompt_logprobs = None
         self.log, self.name = log, name
 
     def step(self) -> StepOutput:
@@ -259,7 +265,7 @@ class ScriptedGeneration:
         self.finished = output.finish_reason is not None
         return output
 
-    def close(self) -> None:
+    def close(self, reason: str = "cancelled") -> None:
         self.closed = True
 
 
@@ -275,6 +281,10 @@ class ScriptedDecoder:
         self.generations: dict[str, ScriptedGeneration] = {}
         self.gate = threading.Event()  # steps wait for it; open unless a test closes it
         self.gate.set()
+        self.kv_room: int | None = None  # most KV entries all running requests may hold (None: any)
+
+    def fits(self, longest: list[int]) -> bool:
+        return self.kv_room is None or sum(longest) <= self.kv_room
 
     def start(self, prompt_ids, params, lookahead=None, request_id="") -> ScriptedGeneration:
         name = chr(prompt_ids[0])
@@ -340,9 +350,11 @@ def submit(engine: Engine, prompt: str, **request: Any) -> RequestState:
     return state
 
 
-def run_engine(scripts: dict[str, list[StepOutput]]) -> tuple[Engine, ScriptedDecoder, Recorder]:
+def run_engine(
+    scripts: dict[str, list[StepOutput]], **engine: Any
+) -> tuple[Engine, ScriptedDecoder, Recorder]:
     decoder, recorder = ScriptedDecoder(scripts), Recorder()
-    return Engine(decoder, recorder.emit, recorder), decoder, recorder
+    return Engine(decoder, recorder.emit, recorder, **engine), decoder, recorder
 
 
 def test_streaming_sends_text_deltas_with_final_on_the_last_one():
@@ -479,6 +491,63 @@ def test_a_failing_step_ends_only_that_request():
     assert "boom" in recorder.errors[0]
 
 
+def test_when_the_engine_dies_mid_stream_every_request_gets_an_error_and_the_model_is_not_ready():
+    device_error = torch.AcceleratorError("CUDA error: an illegal memory access was encountered")
+    stopped: list[str] = []
+    engine, decoder, recorder = run_engine(
+        {"r": [steps("a", "b")[0], device_error], "q": steps("x")},
+        max_running_requests=1,
+        on_stopped=stopped.append,
+    )
+    running = submit(engine, "r", stream=True, prepend_input=False)
+    queued = submit(engine, "q", stream=True, prepend_input=False)  # waits: one request runs at a time
+    engine.start()
+    recorder.wait_finals(2)
+    assert not engine.running
+    late = submit(engine, "z", stream=True, prepend_input=False)  # arrives after the death
+    recorder.wait_finals(1)
+    engine.thread.join(5)
+    assert [u.text for u in recorder.of(running)[:-1]] == ["a"]  # it streamed, then died
+    for state in (running, queued, late):
+        final = recorder.of(state)[-1]
+        assert final.final and final.failure is FailureCode.UNAVAILABLE
+        assert (
+            "the engine thread failed (AcceleratorError: CUDA error: an illegal memory access"
+            in final.message
+        )
+    assert stopped and "illegal memory access" in stopped[0]
+    assert any(
+        "The engine thread failed" in line and "illegal memory access" in line for line in recorder.errors
+    )
+    assert "q" not in decoder.generations  # never started
+
+
+def test_at_most_max_running_requests_run_and_the_rest_start_in_arrival_order():
+    engine, decoder, recorder = run_engine(
+        {"a": steps("1", "2", "3"), "b": steps("4", "5"), "c": steps("6")}, max_running_requests=2
+    )
+    for name in "abc":
+        submit(engine, name, stream=True, prepend_input=False)
+    engine.start()
+    recorder.wait_finals(3)
+    engine.stop()
+    # c starts only once b has left, and then before a's next step (a new request is prefilled first)
+    assert decoder.batches == [["a"], ["b"], ["a", "b"], ["c"], ["a"]]
+
+
+def test_a_request_waits_while_the_kv_bound_cannot_hold_it_too():
+    engine, decoder, recorder = run_engine({"a": steps("1", "2", "3"), "b": steps("4")})
+    decoder.kv_room = 100  # each request may hold 1 + 8 + 64 = 73 entries: one fits, two do not
+    submit(engine, "a", stream=True, prepend_input=False)
+    submit(engine, "b", stream=True, prepend_input=False)
+    engine.start()
+    recorder.wait_finals(2)
+    engine.stop()
+    assert ["a", "b"] not in decoder.batches and ["b", "a"] not in decoder.batches
+    assert decoder.order.index("b") > decoder.order.index("a") == 0
+    assert decoder.order.count("a") == 3
+
+
 def test_stop_answers_every_request_still_in_flight():
     engine, decoder, recorder = run_engine({"w": steps(*"abcdefgh"), "v": steps(*"abcdefgh")})
     decoder.gate.clear()
@@ -573,4 +642,133 @@ def test_stop_words_the_tokenizer_cannot_resolve_are_invalid_arguments():
         {"text_input": strings("Hi"), "sampling_parameters": sampling({"stop_words": ["ab"]})}
     )
     with pytest.raises(RequestError, match="stop_words entry 'ab' is 2 tokens"):
-        parse_request(options, LIMITS, tokenize, stop_word_ids)
+        parse_request(options, LIMITS, tokenize, stop_word_ids=stop_word_ids)
+
+
+# vLLM's keys: supported, accepted at their neutral value, or refused by name
+
+
+OPENAI_CHAT_DEFAULTS = {  # what the OpenAI frontend sends for a bare chat request
+    "frequency_penalty": 0.0,
+    "ignore_eos": False,
+    "n": 1,
+    "presence_penalty": 0.0,
+    "temperature": 0.7,
+    "top_p": 1.0,
+    "logprobs": False,
+    "max_tokens": 16,
+}
+
+
+def test_the_openai_frontends_defaults_are_accepted():
+    request = parse(sampling_parameters=sampling(OPENAI_CHAT_DEFAULTS), return_logprobs=flag(False))
+    assert request.sampling == SamplingParams(max_tokens=16, temperature=0.7)
+
+
+@pytest.mark.parametrize(
+    ("options", "key"),
+    [
+        ({"n": 2}, "n=2"),
+        ({"best_of": "3"}, 'best_of="3"'),
+        ({"use_beam_search": "true"}, 'use_beam_search="true"'),
+        ({"lora_name": "french"}, 'lora_name="french"'),
+        ({"guided_decoding": '{"json": {"type": "object"}}'}, "guided_decoding="),
+        ({"structured_outputs": {"regex": "a+"}}, "structured_outputs="),
+        ({"allowed_token_ids": [1, 2]}, "allowed_token_ids=[1, 2]"),
+        ({"bad_words": ["x"]}, 'bad_words=["x"]'),
+        ({"detokenize": False}, "detokenize=false"),
+    ],
+)
+def test_a_vllm_key_this_model_does_not_support_is_refused_by_name(options, key):
+    with pytest.raises(RequestError, match="is not supported by this model") as raised:
+        parse(sampling_parameters=sampling(options))
+    assert str(raised.value).startswith(key)
+
+
+def test_numbers_and_booleans_may_arrive_as_strings():
+    options = {
+        "presence_penalty": "0.5",
+        "frequency_penalty": "-1",
+        "min_p": "0.05",
+        "top_k": "-1",
+        "include_stop_str_in_output": "True",
+        "skip_special_tokens": "false",
+        "stop_token_ids": [7, "9"],
+        "logit_bias": {"5": "-100", "6": 2.5},
+        "seed": str(2**64 - 1),
+        "logprobs": "3",
+        "max_tokens": "8.0",
+    }
+    params = parse(sampling_parameters=sampling(options)).sampling
+    assert (params.presence_penalty, params.frequency_penalty, params.min_p, params.top_k) == (
+        0.5,
+        -1.0,
+        0.05,
+        0,
+    )
+    assert params.include_stop_str_in_output is True and params.skip_special_tokens is False
+    assert params.stop_token_ids == (7, 9) and params.logit_bias == {5: -100.0, 6: 2.5}
+    assert (params.seed, params.logprobs, params.max_tokens) == (2**64 - 1, 3, 8)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"seed": 2**64}, "seed must be a 64-bit integer"),
+        ({"seed": -(2**63) - 1}, "seed must be a 64-bit integer"),
+        ({"temperature": "inf", "min_tokens": 4}, "temperature must be a finite number"),
+        ({"temperature": "nan"}, "temperature must be a finite number"),
+        ({"repetition_penalty": 0}, "repetition_penalty must be > 0"),
+        ({"presence_penalty": 2.5}, "presence_penalty must be in [-2, 2]"),
+        ({"min_p": 1.5}, "min_p must be in [0, 1]"),
+        ({"top_k": -2}, "top_k must be -1 or 0 (off) or >= 1"),
+        ({"logprobs": 21}, "logprobs must be between 0 and 20"),
+        ({"stop": ["x"] * 100_000}, "stop may hold at most 64 strings"),
+        ({"stop": ["y" * 1000]}, "each stop string may be at most 256 characters long"),
+        ({"logit_bias": {"x": 1}}, "logit_bias token id must be an integer"),
+        ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens must be >= 1"),
+    ],
+)
+def test_extreme_values_are_refused_by_name(options, message):
+    with pytest.raises(RequestError) as raised:
+        parse(sampling_parameters=sampling(options))
+    assert message in str(raised.value)
+
+
+def test_a_tiny_temperature_is_raised_to_vllms_minimum_instead_of_overflowing():
+    assert parse(sampling_parameters=sampling({"temperature": 1e-39})).sampling.temperature == 0.01
+
+
+def test_an_oversize_prompt_is_refused_before_it_is_tokenized():
+    calls = []
+
+    def counting(text: str) -> list[int]:
+        calls.append(text)
+        return tokenize(text)
+
+    limits = RequestLimits(LIMITS.lookahead, max_prompt_tokens=20, max_output_tokens=64, max_prompt_bytes=80)
+    with pytest.raises(RequestError, match="text_input has 1000000 bytes"):
+        parse_request(DictInputs({"text_input": strings("x" * 1_000_000)}), limits, counting)
+    assert calls == []
+
+
+def test_prompt_and_max_tokens_must_fit_the_models_context():
+    limits = RequestLimits(LIMITS.lookahead, max_prompt_tokens=20, max_output_tokens=64, context_length=30)
+    assert parse(limits=limits).sampling.max_tokens == 25  # without max_tokens: what the context leaves
+
+    def check(prompt_tokens: int, params: SamplingParams, lookahead: LookaheadConfig) -> None:
+        if prompt_tokens + params.max_tokens > 30:
+            raise ValueError("the prompt and max_tokens exceed the model's context length (30 tokens)")
+
+    with pytest.raises(RequestError, match="exceed the model's context length"):
+        parse_request(
+            DictInputs({"text_input": strings("Hello")}, {"max_tokens": 26}), limits, tokenize, check
+        )
+
+
+def test_return_cumulative_logprob_alone_computes_logprobs_but_reports_none():
+    request = parse(return_cumulative_logprob=flag(True))
+    assert request.sampling.logprobs == 0 and request.logprobs_hidden
+    assert not parse(
+        return_cumulative_logprob=flag(True), sampling_parameters=sampling({"logprobs": 2})
+    ).logprobs_hidden

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import threading
 
 import pytest
 import torch
@@ -126,3 +127,123 @@ def test_padding_rows_skip_the_output_layer_and_no_logit_changes(kernel, tiny_mo
     exact = kernel == "packed"  # the packed kernel's rows do not depend on how many share a call
     for mine, theirs in zip(ragged, padded):
         torch.testing.assert_close(mine, theirs, rtol=0 if exact else 1e-5, atol=0 if exact else 1e-5)
+
+
+class _Log:
+    def __init__(self) -> None:
+        self.errors: list[str] = []
+
+    def log_info(self, message: str) -> None:
+        pass
+
+    log_warn = log_info
+
+    def log_error(self, message: str) -> None:
+        self.errors.append(message)
+
+
+@pytest.mark.parametrize("where", ["select", "decode"])
+def test_one_failing_request_in_a_batched_step_leaves_the_others_as_if_alone(
+    where, tiny_model, byte_tokenizer
+):
+    """Its sampler (or its detokenizer) raises at its third step; the batch goes on unchanged."""
+    from backend.engine import Engine, FailureCode, RequestState
+    from backend.request import GenerationRequest
+
+    model = tiny_model("llama")
+    prompts = {"a": [5, 6, 7, 5, 6], "b": [9, 8, 9, 8, 9], "c": [3, 1, 4, 1, 5]}
+    params = {name: SamplingParams(max_tokens=10, temperature=0.9, seed=i) for i, name in enumerate(prompts)}
+    params["c"] = SamplingParams(max_tokens=3, temperature=0.9, seed=2)  # finishes in the step b fails in
+    alone = {}
+    for name, prompt in prompts.items():
+        decoder = LookaheadDecoder(model, byte_tokenizer, NGramTrie(10_000, 9))
+        gen = decoder.start(prompt, params[name])
+        text = ""
+        while not gen.finished:
+            text += gen.step().text
+        alone[name] = (gen.output_ids, text)
+
+    decoder = LookaheadDecoder(model, byte_tokenizer, NGramTrie(10_000, 9), max_speculative_batch=3)
+    start = decoder.start
+
+    def start_with_a_fault(prompt_ids, sampling, lookahead=None, request_id=""):
+        gen = start(prompt_ids, sampling, lookahead, request_id)
+        if list(prompt_ids) == prompts["b"]:
+            target = gen.selector if where == "select" else gen.detokenizer
+            name = "select" if where == "select" else "_decode"
+            original, calls = getattr(target, name), []
+
+            def faulty(*args):
+                calls.append(1)
+                if len(calls) >= (3 if where == "select" else 4):  # broken from then on
+                    raise RuntimeError("broken request")
+                return original(*args)
+
+            setattr(target, name, faulty)
+        return gen
+
+    decoder.start = start_with_a_fault
+    updates, finals = [], threading.Semaphore(0)
+
+    def emit(update):
+        updates.append(update)
+        if update.final:
+            finals.release()
+
+    engine = Engine(decoder, emit, _Log())
+    states = {}
+    for name, prompt in prompts.items():
+        states[name] = RequestState(id=name, sender=None)
+        states[name].request = GenerationRequest(
+            prompt="",
+            prompt_ids=tuple(prompt),
+            sampling=params[name],
+            lookahead=LookaheadConfig(),
+            stream=True,
+            prepend_input=False,
+        )
+        engine.submit(states[name])
+    engine.start()
+    for _ in prompts:
+        assert finals.acquire(timeout=60)
+    engine.stop()
+    by_name = {name: [u for u in updates if u.state is state] for name, state in states.items()}
+    assert by_name["b"][-1].failure is FailureCode.INTERNAL and "broken request" in by_name["b"][-1].message
+    for name in ("a", "c"):
+        assert by_name[name][-1].failure is None, by_name[name][-1].message
+        assert "".join(u.text for u in by_name[name]) == alone[name][1]
+        assert states[name].generation.output_ids == alone[name][0]
+
+
+def test_the_pool_is_freed_when_idle_and_requests_beyond_kv_cache_bytes_are_refused(
+    tiny_model, byte_tokenizer
+):
+    model = tiny_model("llama")
+    decoder = LookaheadDecoder(model, byte_tokenizer, kv_cache_bytes=0)
+    per_token = decoder.kv_bytes_per_token
+    assert per_token == 2 * 2 * 2 * 16 * 4  # layers x (K, V) x kv heads x head_dim x fp32
+    gen = decoder.start([1, 2, 3], SamplingParams(max_tokens=4))
+    while not gen.finished:
+        gen.step()
+    assert decoder.pool.keys == [] and decoder.pool.nbytes == 0  # nothing runs: the memory went back
+    bounded = LookaheadDecoder(model, byte_tokenizer, kv_cache_bytes=64 * per_token)
+    with pytest.raises(ValueError, match="need .* bytes of KV cache, more than kv_cache_bytes"):
+        bounded.start([1, 2, 3], SamplingParams(max_tokens=4))  # 3 + 4 + 64 (one draft) entries
+    assert bounded.fits([40]) and not bounded.fits([40, 40])  # one 64-entry slot fits, two do not
+
+
+def test_the_pool_shrinks_back_under_kv_cache_bytes_once_long_requests_leave(tiny_model, byte_tokenizer):
+    model = tiny_model("llama")
+    config = LookaheadConfig(use_lookahead=False)
+    per_token = LookaheadDecoder(model, byte_tokenizer).kv_bytes_per_token
+    decoder = LookaheadDecoder(model, byte_tokenizer, config=config, kv_cache_bytes=600 * per_token)
+    long = decoder.start([1 + i % 250 for i in range(300)], SamplingParams(max_tokens=40), config)
+    short = decoder.start([1, 2, 3], SamplingParams(max_tokens=60), config)
+    capacities = []
+    while not long.finished:
+        decoder.step([long, short])
+        capacities.append(decoder.pool.capacity)
+    assert not short.finished
+    assert capacities[0] == 512  # what the long request's prompt needed
+    assert decoder.pool.nbytes <= 600 * per_token
+    assert decoder.pool.capacity == 256  # back to what the short request needs

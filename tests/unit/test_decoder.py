@@ -196,3 +196,33 @@ def test_adaptive_decoder_stays_lossless(tiny_model, byte_tokenizer) -> None:
         prompt = repetitive_prompt(rng, model.config.vocab_size)
         ids, _ = decoder.generate(prompt, SamplingParams(max_tokens=MAX_TOKENS))
         assert ids == plain_greedy(model, prompt, MAX_TOKENS)
+
+
+def started(model, tokenizer, prompt: list[int], **params) -> object:
+    """A generation that was never stepped: its commits are fed by the test."""
+    decoder = LookaheadDecoder(model, tokenizer, NGramTrie(capacity=10_000, max_depth=9))
+    return decoder.start(prompt, SamplingParams(**params))
+
+
+def test_a_step_ending_inside_a_character_at_max_tokens_keeps_its_text(tiny_model, byte_tokenizer) -> None:
+    gen = started(tiny_model("llama"), byte_tokenizer, [1, 2, 3], max_tokens=4)
+    out = gen.commit(list(b"abc") + [0xC3])  # the last token is half of "é"
+    assert (out.text, out.finish_reason) == ("abc", "length")
+
+
+def test_a_stop_string_inside_a_step_ending_inside_a_character_is_found(tiny_model, byte_tokenizer) -> None:
+    gen = started(tiny_model("llama"), byte_tokenizer, [1, 2, 3], max_tokens=4, stop=("bc",))
+    out = gen.commit(list(b"abc") + [0xC3])
+    assert (out.text, out.finish_reason, out.token_ids) == ("a", "stop", list(b"abc"))
+
+
+def test_tokens_accepted_after_a_stop_string_are_not_counted_nor_learned(tiny_model, byte_tokenizer) -> None:
+    model = tiny_model("llama")
+    gen = started(model, byte_tokenizer, [1, 2, 3], max_tokens=16, stop=("STOP",))
+    trie = gen.decoder.trie
+    out = gen.commit(list(b"xSTOPyz"))
+    assert (out.text, out.finish_reason) == ("x", "stop")
+    assert out.token_ids == gen.output_ids == list(b"xSTOP")
+    assert gen.stats.output_tokens == 5
+    assert trie.match(list(b"OPy")) == NO_NODE  # "y" was never output, so never learned
+    assert trie.match(list(b"TOP")) != NO_NODE

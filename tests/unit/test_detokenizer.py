@@ -14,7 +14,8 @@ def stream(text: str, stop: tuple[str, ...] = (), chunk: int = 1) -> tuple[list[
     ids = tok.encode(text)
     deltas = []
     for i in range(0, len(ids), chunk):
-        deltas.append(detok.push(ids[i : i + chunk]))
+        text, consumed = detok.push(ids[i : i + chunk])
+        deltas.append(text)
         if detok.stopped:
             break
     deltas.append(detok.flush())
@@ -46,3 +47,30 @@ def test_held_back_prefix_is_released_when_the_stop_string_does_not_complete() -
 def test_earliest_of_several_stop_strings_wins() -> None:
     deltas, _ = stream("one END two STOP", stop=("STOP", "END"), chunk=5)
     assert "".join(deltas) == "one "
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_a_multi_token_push_stops_at_the_token_completing_the_stop_string(include: bool) -> None:
+    tok = ByteTokenizer()
+    detok = Detokenizer(tok, tok.encode("> "), ("END",), include_stop=include)
+    text, consumed = detok.push(tok.encode("ab ENDcd"))
+    assert detok.stopped
+    assert consumed == len("ab END")  # "c" and "d" are not part of the output
+    assert text + detok.flush() == ("ab END" if include else "ab ")
+
+
+def test_stop_strings_count_only_after_min_tokens() -> None:
+    tok = ByteTokenizer()
+    detok = Detokenizer(tok, tok.encode("> "), ("x",), min_tokens=3)
+    text, consumed = detok.push(tok.encode("axbxc"))
+    assert detok.stopped and consumed == 4  # the first "x" is token 2 of 3 the stop string must wait for
+    assert text == "axb"
+
+
+def test_text_before_an_incomplete_character_is_emitted() -> None:
+    tok = ByteTokenizer()
+    detok = Detokenizer(tok, tok.encode("> "))
+    text, _ = detok.push(tok.encode("abc") + tok.encode("é")[:1])
+    assert text == "abc"
+    text, _ = detok.push(tok.encode("é")[1:])
+    assert text == "é"

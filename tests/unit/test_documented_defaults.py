@@ -25,7 +25,7 @@ def readme_defaults() -> dict[str, str]:
 
 def means_the_default(name: str, raw: str) -> bool:
     if raw == "":
-        return default_value(name) in ("", None)
+        return default_value(name) in ("", None, ())
     return PARAMETERS[name][1](raw) == default_value(name)
 
 

@@ -90,10 +90,15 @@ def test_tree_attention_reports_a_model_that_rejects_the_mask(tiny_model) -> Non
         check_tree_attention(FourDimensionalMaskRefusingModel(tiny_model("llama")))
 
 
-@pytest.mark.parametrize("architecture", TINY_ARCHITECTURES)
+@pytest.mark.parametrize("architecture", [a for a in TINY_ARCHITECTURES if a != "gemma2"])
 def test_the_output_layer_is_used_alone_where_logits_are_plain(tiny_model, architecture: str) -> None:
     model = tiny_model(architecture)
     assert plain_output_layer(model) is model.get_output_embeddings()
+
+
+def test_soft_capped_logits_keep_the_models_own_forward(tiny_model) -> None:
+    assert tiny_model("gemma2").config.final_logit_softcapping is not None
+    assert plain_output_layer(tiny_model("gemma2")) is None
 
 
 def test_logits_changed_after_the_output_layer_keep_the_models_own_forward(tiny_model) -> None:

@@ -181,3 +181,15 @@ def test_an_empty_trie_round_trips(tmp_path):
     path = tmp_path / "trie.bin"
     save_trie(NGramTrie(capacity=100, max_depth=4), path, FINGERPRINT)
     assert load_trie(path, capacity=100, max_depth=4, fingerprint=FINGERPRINT).node_count == 0
+
+
+def test_a_snapshot_holding_token_ids_outside_the_vocabulary_is_refused(tmp_path, caplog):
+    trie = NGramTrie(capacity=100, max_depth=4)
+    trie.insert([1, 2, 300, 4])
+    path = tmp_path / "t.trie"
+    save_trie(trie, path, FINGERPRINT)
+    assert load_trie(path, capacity=100, max_depth=4, fingerprint=FINGERPRINT, vocab_size=1000).node_count > 0
+    with caplog.at_level(logging.ERROR, logger="lookahead"):
+        loaded = load_trie(path, capacity=100, max_depth=4, fingerprint=FINGERPRINT, vocab_size=256)
+    assert loaded.node_count == 0
+    assert "token ids outside the model's vocabulary (size 256)" in caplog.text

@@ -109,3 +109,15 @@ def test_the_decoder_prefills_only_what_is_not_cached_and_stays_lossless(
         assert cached == [0, len(system) + len(b"How far is the "), len(system)]
     else:
         assert cached == [0, 0, 0] and decoder.prefix_cache.tokens == 0
+
+
+def test_the_bound_counts_every_position_an_entry_holds_draft_ones_included(tiny_model) -> None:
+    model = tiny_model("llama")
+    cache = PrefixCache(capacity=10)
+    prompt = [1, 2, 3, 4]
+    held = prefilled(model, prompt + [5, 6, 7])  # a prefill's cache also holds its draft's 3 positions
+    cache.store(prompt, held)
+    assert cache.tokens == 7
+    cache.store([8, 9, 10, 11], prefilled(model, [8, 9, 10, 11]))
+    assert cache.tokens == 4 <= cache.capacity  # 7 + 4 would not fit: the first entry went
+    assert cache.lookup(prompt + [0])[0] == 0

@@ -90,3 +90,12 @@ def test_warm_up_respects_the_trie_capacity(tmp_path):
     trie = NGramTrie(capacity=500, max_depth=4)
     assert warm_up(trie, corpus, progress=False) == 50
     assert 0 < trie.node_count <= 500
+
+
+def test_token_ids_outside_the_vocabulary_are_refused_and_never_reach_the_trie(tmp_path):
+    path = tmp_path / "corpus.jsonl"
+    write_jsonl(path, [{"token_ids": [1, 2, 3, 4]}, {"token_ids": [5, 6, 300, 7]}])
+    trie = NGramTrie(capacity=1000, max_depth=4)
+    with pytest.raises(ValueError, match=r"corpus.jsonl:2: .*\[0, 256\)"):
+        warm_up(trie, path, vocab_size=256, progress=False)
+    assert trie.match([5, 6]) == NO_NODE

@@ -1,0 +1,206 @@
+"""The `sampling_parameters` keys: every field name vLLM's SamplingParams has had, and what each does here.
+
+Clients written for vLLM's backend (the OpenAI frontend, genai-perf, tritonclient scripts) send
+the whole vLLM vocabulary, often as strings ("0.7", "false"). Every key vLLM knows is either
+supported with vLLM's meaning, or accepted only while it holds the value that changes nothing
+(the OpenAI frontend sends `n: 1`, `logprobs: false`, `best_of: 1`...) and refused with
+INVALID_ARG naming it otherwise. Keys no vLLM version knows are ignored, as vLLM's backend
+ignores them. The list was read off vLLM's `vllm/sampling_params.py` across its releases (0.4
+to 0.11+), plus `lora_name` from Triton's TritonSamplingParams.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping
+from typing import Any
+
+NO_EFFECT = object()  # an accepted-at-default key whose every value is accepted: vLLM ignores it too
+
+
+def to_int(name: str, value: Any) -> int:
+    if isinstance(value, bool):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, str):
+        text = value.strip()
+        try:
+            return int(text)
+        except ValueError:
+            try:
+                number = float(text)
+            except ValueError:
+                pass
+            else:
+                if number.is_integer():
+                    return int(number)
+    raise ValueError(f"{name} must be an integer, got {value!r}")
+
+
+def to_float(name: str, value: Any) -> float:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(value, str):
+        try:
+            return float(value.strip())
+        except ValueError:
+            pass
+    raise ValueError(f"{name} must be a number, got {value!r}")
+
+
+def to_bool(name: str, value: Any) -> bool:
+    """true/false, also as strings ("false" is false) and 1/0."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.strip().lower() in ("true", "false", "1", "0"):
+        return value.strip().lower() in ("true", "1")
+    raise ValueError(f"{name} must be true or false, got {value!r}")
+
+
+def to_str(name: str, value: Any) -> str:
+    if isinstance(value, str):
+        return value
+    raise ValueError(f"{name} must be a string, got {value!r}")
+
+
+def to_stop(name: str, value: Any) -> tuple[str, ...]:
+    if isinstance(value, str):
+        return (value,)
+    if isinstance(value, list) and all(isinstance(item, str) for item in value):
+        return tuple(value)
+    raise ValueError(f"{name} must be a string or a list of strings, got {value!r}")
+
+
+def to_token_ids(name: str, value: Any) -> tuple[int, ...]:
+    value = _json(value)
+    if isinstance(value, int) and not isinstance(value, bool):
+        value = [value]
+    if not isinstance(value, list):
+        raise ValueError(f"{name} must be a list of token ids, got {value!r}")
+    return tuple(to_int(name, item) for item in value)
+
+
+def to_logit_bias(name: str, value: Any) -> dict[int, float]:
+    value = _json(value)
+    if not isinstance(value, dict):
+        raise ValueError(f"{name} must be an object mapping token ids to biases, got {value!r}")
+    return {
+        to_int(f"{name} token id", token): to_float(f"{name} value", bias) for token, bias in value.items()
+    }
+
+
+def to_logprobs(name: str, value: Any) -> int | None:
+    """vLLM's logprobs: a count; true means 1, false (the OpenAI frontend's default) none."""
+    if isinstance(value, bool) or (isinstance(value, str) and value.strip().lower() in ("true", "false")):
+        return 1 if to_bool(name, value) else None
+    return to_int(name, value)
+
+
+def as_json(name: str, value: Any) -> Any:
+    """A list or object, also when it arrived as its JSON text."""
+    return _json(value)
+
+
+def _json(value: Any) -> Any:
+    """A list or object that arrived as its JSON text."""
+    if isinstance(value, str):
+        try:
+            return json.loads(value)
+        except json.JSONDecodeError:
+            return value
+    return value
+
+
+# vLLM key -> (SamplingParams field, converter)
+SUPPORTED: dict[str, tuple[str, Callable[[str, Any], Any]]] = {
+    "max_tokens": ("max_tokens", to_int),
+    "min_tokens": ("min_tokens", to_int),
+    "temperature": ("temperature", to_float),
+    "top_k": ("top_k", to_int),
+    "top_p": ("top_p", to_float),
+    "min_p": ("min_p", to_float),
+    "repetition_penalty": ("repetition_penalty", to_float),
+    "presence_penalty": ("presence_penalty", to_float),
+    "frequency_penalty": ("frequency_penalty", to_float),
+    "logit_bias": ("logit_bias", to_logit_bias),
+    "seed": ("seed", to_int),
+    "stop": ("stop", to_stop),
+    "stop_token_ids": ("stop_token_ids", to_token_ids),
+    "include_stop_str_in_output": ("include_stop_str_in_output", to_bool),
+    "ignore_eos": ("ignore_eos", to_bool),
+    "skip_special_tokens": ("skip_special_tokens", to_bool),
+    "logprobs": ("logprobs", to_logprobs),
+    "prompt_logprobs": ("prompt_logprobs", to_logprobs),
+}
+
+# Known to vLLM, not implemented here: key -> (converter, the values that change nothing). A
+# value equal to one of those is accepted; any other is refused. NO_EFFECT: any value (vLLM's
+# own sampler ignores it, or it only tunes vLLM's engine).
+ACCEPTED_AT_DEFAULT: dict[str, tuple[Callable[[str, Any], Any], Any]] = {
+    "n": (to_int, (1,)),
+    "best_of": (to_int, (1,)),
+    "use_beam_search": (to_bool, (False,)),
+    "length_penalty": (to_float, (1.0,)),
+    "early_stopping": (to_bool, (False,)),
+    "detokenize": (to_bool, (True,)),
+    "spaces_between_special_tokens": (to_bool, (True,)),
+    "logits_processors": (as_json, ([],)),
+    "allowed_token_ids": (as_json, ([],)),
+    "bad_words": (as_json, ([],)),
+    "guided_decoding": (as_json, ({}, "")),
+    "structured_outputs": (as_json, ({}, "")),
+    "lora_name": (to_str, ("",)),
+    "thinking_token_budget": (to_int, (-1,)),
+    "repetition_detection": (as_json, ({},)),
+    "stream_interval": (to_int, (1,)),
+    "flat_logprobs": (to_bool, (False,)),
+    "logprob_token_ids": (as_json, ([],)),
+    "prompt_logprob_token_ids": (as_json, ([],)),
+    "prompt_logprob_start": (to_int, (0,)),
+    "trace_decode_token_ids": (as_json, ([],)),
+    "routed_experts_prompt_start": (to_int, (0,)),
+    "output_kind": (as_json, NO_EFFECT),
+    "output_text_buffer_length": (as_json, NO_EFFECT),
+    "extra_args": (as_json, NO_EFFECT),
+    "skip_clone": (as_json, NO_EFFECT),
+    "skip_reading_prefix_cache": (as_json, NO_EFFECT),
+}
+
+# truncate_prompt_tokens: keep only the prompt's last k tokens (vLLM's left truncation).
+TRUNCATE = "truncate_prompt_tokens"
+
+VLLM_KEYS = frozenset(SUPPORTED) | frozenset(ACCEPTED_AT_DEFAULT) | {TRUNCATE}
+
+
+def sampling_fields(options: Mapping[str, Any]) -> tuple[dict[str, Any], int | None]:
+    """(SamplingParams fields, truncate_prompt_tokens) from `sampling_parameters`; null means unset.
+
+    Raises ValueError naming the key for a bad value or an unsupported one.
+    """
+    fields: dict[str, Any] = {}
+    truncate = None
+    for key, value in options.items():
+        if value is None:
+            continue
+        if key in SUPPORTED:
+            name, convert = SUPPORTED[key]
+            converted = convert(key, value)
+            if converted is not None:
+                fields[name] = converted
+        elif key in ACCEPTED_AT_DEFAULT:
+            convert, neutral = ACCEPTED_AT_DEFAULT[key]
+            if neutral is not NO_EFFECT and convert(key, value) not in neutral:
+                raise ValueError(
+                    f"{key}={json.dumps(value)} is not supported by this model "
+                    f"(it accepts {key} only as {' or '.join(json.dumps(v) for v in neutral)})"
+                )
+        elif key == TRUNCATE:
+            truncate = to_int(key, value)
+            if truncate < 1:
+                raise ValueError(f"{TRUNCATE} must be >= 1, got {truncate}")
+    return fields, truncate

@@ -1,0 +1,306 @@
+"""genai-perf against the served `lookahead` and `baseline` models: TTFT, inter-token latency and
+output tokens/s side by side.
+
+genai-perf 0.0.16 (its own environment, .venv-genai-perf, made by scripts/bootstrap.sh) drives
+each model at each concurrency with `--endpoint-type kserve --backend vllm --streaming`: synthetic
+prompts of --input-tokens tokens, exactly --output-tokens tokens generated (it sends min_tokens =
+max_tokens, so EOS cannot end a request early and both models do equal work). Its tokenizer is the
+served model's own converted folder, so nothing reaches for a model hub. genai-perf runs
+`perf_analyzer` from the PATH: a one-line script in --out that execs scripts/perf_analyzer.sh.
+
+    python -m client.genai_perf                     # against a server on localhost:8001
+    python -m client.genai_perf --start-server      # start one on free ports for the run
+    python -m client.genai_perf --quick --start-server
+
+Writes genai_perf.md (the table), genai_perf.csv, genai_perf.png and genai-perf's own artifacts
+(one folder per model and concurrency) into --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from backend.launcher import TritonServerError
+
+from .load_test import MODELS, REPO_ROOT, LoadTestError, parse_concurrency, server_url
+
+GENAI_PERF = REPO_ROOT / ".venv-genai-perf" / "bin" / "genai-perf"
+PERF_ANALYZER = REPO_ROOT / "scripts" / "perf_analyzer.sh"
+# --quick: enough to see both models answer through genai-perf, short enough for a test.
+QUICK = {"concurrency": (1,), "request_count": 4, "input_tokens": 32, "output_tokens": 8}
+_MODEL_PARAMETER = re.compile(r'\{\s*key:\s*"model",\s*value:\s*\{\s*string_value:\s*"([^"]*)"')
+
+
+@dataclass(frozen=True)
+class GenaiPerfPoint:
+    """One model at one concurrency, from genai-perf's profile_export_genai_perf.json."""
+
+    model: str
+    concurrency: int
+    requests: int
+    ttft_avg_ms: float
+    ttft_p99_ms: float
+    inter_token_latency_avg_ms: float
+    inter_token_latency_p99_ms: float
+    output_tokens_per_second: float
+    requests_per_second: float
+
+
+def summarize(model: str, concurrency: int, export: dict[str, Any]) -> GenaiPerfPoint:
+    def stat(name: str, key: str = "avg") -> float:
+        try:
+            return float(export[name][key])
+        except (KeyError, TypeError, ValueError):
+            raise LoadTestError(
+                f"{model} at concurrency {concurrency}: genai-perf reported no {name} {key}"
+            ) from None
+
+    return GenaiPerfPoint(
+        model=model,
+        concurrency=concurrency,
+        requests=int(stat("request_count")),
+        ttft_avg_ms=stat("time_to_first_token"),
+        ttft_p99_ms=stat("time_to_first_token", "p99"),
+        inter_token_latency_avg_ms=stat("inter_token_latency"),
+        inter_token_latency_p99_ms=stat("inter_token_latency", "p99"),
+        output_tokens_per_second=stat("output_token_throughput"),
+        requests_per_second=stat("request_throughput"),
+    )
+
+
+def failed_requests(raw_export: dict[str, Any]) -> int:
+    """Requests perf_analyzer sent that got no response (perf_analyzer's own profile export)."""
+    return sum(
+        1
+        for experiment in raw_export.get("experiments", [])
+        for request in experiment.get("requests", [])
+        if not request.get("response_timestamps")
+    )
+
+
+def served_tokenizer(model_repository: Path, model: str) -> Path:
+    """The local folder holding the tokenizer `model` serves with (its converted embedded model or
+    the folder named by its config.pbtxt `model` parameter)."""
+    from lookahead.models.loading import resolve_model_path
+
+    config = (model_repository / model / "config.pbtxt").read_text(encoding="utf-8")
+    match = _MODEL_PARAMETER.search(config)
+    if match is None:
+        raise LoadTestError(f"{model}/config.pbtxt sets no model parameter")
+    name = match.group(1)
+    path = Path(name).expanduser()
+    if not path.is_absolute() and (model_repository / path).is_dir():
+        path = model_repository / path
+    return resolve_model_path(str(path) if path.is_dir() else name)
+
+
+def perf_analyzer_shim(folder: Path, perf_analyzer: Path) -> Path:
+    """A folder whose `perf_analyzer` execs the project's launcher (a symlink would not do: the
+    launcher finds its environment from its own path)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    shim = folder / "perf_analyzer"
+    shim.write_text(f'#!/usr/bin/env bash\nexec "{perf_analyzer.resolve()}" "$@"\n', encoding="utf-8")
+    shim.chmod(0o755)
+    return folder
+
+
+def genai_perf_command(
+    genai_perf: Path,
+    model: str,
+    url: str,
+    tokenizer: Path,
+    concurrency: int,
+    args: argparse.Namespace,
+    out: Path,
+) -> list[str]:
+    return [
+        str(genai_perf),
+        "profile",
+        "-m",
+        model,
+        "--endpoint-type",
+        "kserve",
+        "--backend",
+        "vllm",
+        "--streaming",
+        "-u",
+        url,
+        "--tokenizer",
+        str(tokenizer),
+        "--synthetic-input-tokens-mean",
+        str(args.input_tokens),
+        "--synthetic-input-tokens-stddev",
+        "0",
+        "--output-tokens-mean",
+        str(args.output_tokens),
+        "--output-tokens-mean-deterministic",
+        "--concurrency",
+        str(concurrency),
+        "--request-count",
+        str(max(args.request_count, 2 * concurrency)),
+        "--warmup-request-count",
+        "0",
+        "--random-seed",
+        str(args.seed + concurrency),
+        "--artifact-dir",
+        str(out),
+    ]
+
+
+def run_point(args: argparse.Namespace, model: str, url: str, concurrency: int, shim: Path) -> GenaiPerfPoint:
+    out = args.out / f"{model}_c{concurrency}"
+    tokenizer = served_tokenizer(args.model_repository, model)
+    command = genai_perf_command(args.genai_perf, model, url, tokenizer, concurrency, args, out)
+    print(f"{model}, concurrency {concurrency}", flush=True)
+    env = {
+        **os.environ,
+        "PATH": f"{shim}{os.pathsep}{os.environ.get('PATH', '')}",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+    }
+    finished = subprocess.run(command, capture_output=True, text=True, env=env, cwd=args.out)
+    log = args.out / f"genai_perf_{model}_c{concurrency}.log"
+    log.write_text(" ".join(command) + "\n" + finished.stdout + finished.stderr, encoding="utf-8")
+    if finished.returncode != 0:
+        tail = "\n".join((finished.stdout + finished.stderr).splitlines()[-15:])
+        raise LoadTestError(f"genai-perf exited with {finished.returncode} (log {log}):\n{tail}")
+    try:  # genai-perf writes into <artifact dir>/<model>-triton-vllm-concurrency<N>/
+        summary = next(out.rglob("profile_export_genai_perf.json"))
+        export = json.loads(summary.read_text(encoding="utf-8"))
+        raw = json.loads((summary.parent / "profile_export.json").read_text(encoding="utf-8"))
+    except (StopIteration, FileNotFoundError, json.JSONDecodeError) as error:
+        raise LoadTestError(f"genai-perf left no usable export in {out} ({error}); log {log}") from None
+    failed = failed_requests(raw)
+    if failed:
+        raise LoadTestError(
+            f"{model} at concurrency {concurrency}: {failed} requests got no response (log {log})"
+        )
+    return summarize(model, concurrency, export)
+
+
+def format_table(points: Sequence[GenaiPerfPoint]) -> str:
+    header = (
+        "| model | concurrency | requests | output tokens/s | TTFT avg (ms) | TTFT p99 (ms) "
+        "| inter-token latency avg (ms) | inter-token latency p99 (ms) | requests/s |"
+    )
+    lines = [header, "|---" * 9 + "|"]
+    for p in points:
+        lines.append(
+            f"| {p.model} | {p.concurrency} | {p.requests} | {p.output_tokens_per_second:.1f} "
+            f"| {p.ttft_avg_ms:.0f} | {p.ttft_p99_ms:.0f} | {p.inter_token_latency_avg_ms:.1f} "
+            f"| {p.inter_token_latency_p99_ms:.1f} | {p.requests_per_second:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def write_csv(points: Sequence[GenaiPerfPoint], path: Path) -> None:
+    with open(path, "w", newline="", encoding="utf-8") as file:
+        writer = csv.DictWriter(file, fieldnames=[f.name for f in fields(GenaiPerfPoint)])
+        writer.writeheader()
+        writer.writerows(asdict(point) for point in points)
+
+
+def plot(points: Sequence[GenaiPerfPoint], path: Path, title: str) -> None:
+    """Output tokens/s, TTFT and inter-token latency against concurrency, the models side by side."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    levels = sorted({p.concurrency for p in points})
+    models = list(dict.fromkeys(p.model for p in points))
+    panels = [
+        ("output_tokens_per_second", "output tokens/s"),
+        ("ttft_avg_ms", "time to first token, avg (ms)"),
+        ("inter_token_latency_avg_ms", "inter-token latency, avg (ms)"),
+    ]
+    figure, axes = plt.subplots(1, len(panels), figsize=(13, 4))
+    width = 0.8 / len(models)
+    for ax, (attribute, label) in zip(axes, panels):
+        for i, model in enumerate(models):
+            values = {p.concurrency: getattr(p, attribute) for p in points if p.model == model}
+            positions = [j + (i - (len(models) - 1) / 2) * width for j in range(len(levels))]
+            ax.bar(positions, [values.get(level, 0.0) for level in levels], width, label=model)
+        ax.set_xticks(range(len(levels)), [str(level) for level in levels])
+        ax.set_xlabel("concurrent requests")
+        ax.set_ylabel(label)
+        ax.grid(axis="y", alpha=0.3)
+        ax.legend(fontsize=8)
+    figure.suptitle(title, fontsize=9)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--url", default="localhost:8001", help="gRPC host:port of a running server")
+    parser.add_argument("--start-server", action="store_true", help="start tritonserver for the run")
+    parser.add_argument(
+        "--warm-trie", action="store_true", help="with --start-server: keep the trie of the last run in --out"
+    )
+    parser.add_argument("--model-repository", type=Path, default=REPO_ROOT / "model_repository")
+    parser.add_argument("--models", nargs="+", default=list(MODELS))
+    parser.add_argument("--concurrency", type=parse_concurrency, default=(1, 2, 4, 8), help="e.g. 1,2,4,8")
+    parser.add_argument("--input-tokens", type=int, default=200, help="synthetic prompt length")
+    parser.add_argument("--output-tokens", type=int, default=128, help="tokens generated per request")
+    parser.add_argument(
+        "--request-count", type=int, default=16, help="requests per point (at least 2 x concurrency)"
+    )
+    parser.add_argument("--seed", type=int, default=7, help="genai-perf's prompt seed (plus the concurrency)")
+    parser.add_argument("--genai-perf", type=Path, default=GENAI_PERF, help="genai-perf to run")
+    parser.add_argument("--perf-analyzer", type=Path, default=PERF_ANALYZER, help="perf_analyzer launcher")
+    parser.add_argument("--quick", action="store_true", help=", ".join(f"{k} {v}" for k, v in QUICK.items()))
+    parser.add_argument("--out", type=Path, default=Path("results/genai_perf"))
+    args = parser.parse_args(argv)
+    if args.quick:
+        for name, value in QUICK.items():
+            setattr(args, name, value)
+    args.out = args.out.resolve()
+    args.model_repository = args.model_repository.resolve()
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    if not args.genai_perf.exists():
+        print(f"error: {args.genai_perf} is missing: run scripts/bootstrap.sh", file=sys.stderr)
+        return 1
+    args.out.mkdir(parents=True, exist_ok=True)
+    shim = perf_analyzer_shim(args.out / "bin", args.perf_analyzer)
+    points: list[GenaiPerfPoint] = []
+    try:
+        with server_url(args) as url:
+            for level, concurrency in enumerate(args.concurrency):
+                # the first model alternates between levels, as in the load test
+                for model in args.models if level % 2 == 0 else args.models[::-1]:
+                    points.append(run_point(args, model, url, concurrency, shim))
+    except (LoadTestError, TritonServerError, FileNotFoundError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    points.sort(key=lambda point: (args.models.index(point.model), point.concurrency))
+    table = format_table(points)
+    print(table)
+    title = (
+        f"genai-perf 0.0.16, kserve/vllm streaming, {args.input_tokens} prompt tokens, "
+        f"{args.output_tokens} output tokens per request"
+    )
+    (args.out / "genai_perf.md").write_text(f"# {title}\n\n{table}\n", encoding="utf-8")
+    write_csv(points, args.out / "genai_perf.csv")
+    plot(points, args.out / "genai_perf.png", title)
+    print(f"wrote {args.out / 'genai_perf.md'}, genai_perf.csv and genai_perf.png")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
