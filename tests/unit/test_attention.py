@@ -11,7 +11,6 @@ from transformers.integrations import sdpa_attention
 from lookahead.cpu.attention import GROUPED_SDPA, use_grouped_sdpa
 from tests.helpers import TINY_ARCHITECTURES, build_tiny_model, tree_logits
 
-
 # Gemma 2 attends eagerly (its attention logits are soft-capped), so grouped_sdpa never replaces it.
 SDPA_ARCHITECTURES = tuple(a for a in TINY_ARCHITECTURES if a != "gemma2")
 
