@@ -31,7 +31,7 @@ def folder() -> Path:
     """The converted model, and its packed integer forms in the cache, made once before the server
     starts, so that its two instances load from the cache instead of both searching."""
     path = prepare_embedded_model(MODEL)
-    del load_model(MODEL).model
+    load_model(MODEL)  # packs the weights: their integer forms land in the cache
     return path
 
 

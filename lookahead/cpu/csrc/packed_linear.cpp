@@ -30,9 +30,8 @@
 namespace {
 
 constexpr int64_t kLanes = 16;  // outputs per packed block
-// From this many row tiles on (a prefill), int8 and int4 blocks are rebuilt once per group rather
-// than in every tile; at a few tiles writing and re-reading the rebuilt copy costs more than it saves.
-constexpr int64_t kRebuildTiles = 8;
+// From kRebuildTiles row tiles on (simd.h), int8 and int4 blocks are rebuilt once per group rather
+// than in every tile; at fewer tiles writing and re-reading the rebuilt copy costs more than it saves.
 
 // Every form loads the weights of k + H for an even k and H = 0 or 1 (a compile-time constant),
 // so that Int4Weights knows which half of a byte it wants, and prefetches the lines a pair of
@@ -68,8 +67,35 @@ struct ScaleRegisters {
   F32x16 rebuild(int j, const F32x16& q) const { return F32x16::fmadd(d[j], q, m[j]); }
 };
 
+// Sixteen scales widened to fp32: Scale is uint16_t (fp16 bits) or float.
+template <class Scale>
+F32x16 widen(const Scale* p) {
+  if constexpr (std::is_same_v<Scale, float>)
+    return F32x16::load(p);
+  else
+    return F32x16::from_half(p);
+}
+
+// The (d, m) of Blocks blocks for one span, read from memory at every use (fp32 scales, an
+// operand of the multiply-add): what a register-poor instruction set uses instead of
+// ScaleRegisters. The empty asm keeps the compiler from hoisting the loads out of the k loop,
+// which would only spill them.
+template <int Blocks, class Scale>
+struct ScaleLoads {
+  const Scale* d;
+  const Scale* m;
+  int64_t stride;  // scales from one block's to the next one's
+
+  F32x16 rebuild(int j, const F32x16& q) const {
+    const Scale* dj = d + j * stride;
+    const Scale* mj = m + j * stride;
+    asm("" : "+r"(dj), "+r"(mj));
+    return F32x16::fmadd(widen(dj), q, widen(mj));
+  }
+};
+
 // One (d, m) per `group` inputs (16 or 32): [blocks][K / group][16] each; Scale is uint16_t (fp16
-// bits) or float.
+// bits) or float (always float where !kScalesInRegisters: PackedMatrix widens fp16 at load).
 template <class Scale>
 struct Scales {
   const Scale* d;
@@ -80,14 +106,21 @@ struct Scales {
     const int64_t offset = block * (K / group) * kLanes;
     return {d + offset, m + offset, group};
   }
-  static F32x16 widen(const Scale* p) {
-    if constexpr (std::is_same_v<Scale, float>)
-      return F32x16::load(p);
-    else
-      return F32x16::from_half(p);
-  }
   template <int Blocks>
-  ScaleRegisters<Blocks> registers(int64_t K, int64_t k) const {
+  using Group = std::conditional_t<kScalesInRegisters, ScaleRegisters<Blocks>, ScaleLoads<Blocks, Scale>>;
+
+  template <int Blocks>
+  Group<Blocks> registers(int64_t K, int64_t k) const {
+    if constexpr (!kScalesInRegisters) {
+      const int64_t offset = (k / group) * kLanes;
+      return {d + offset, m + offset, (K / group) * kLanes};
+    } else {
+      return registers_of<Blocks>(K, k);
+    }
+  }
+
+  template <int Blocks>
+  ScaleRegisters<Blocks> registers_of(int64_t K, int64_t k) const {
     ScaleRegisters<Blocks> registers;
 #pragma GCC unroll 16
     for (int j = 0; j < Blocks; ++j) {
@@ -106,7 +139,7 @@ struct ScaledWeights {
   int64_t K;
 
   template <int Blocks>
-  using Group = ScaleRegisters<Blocks>;
+  using Group = typename Scales<Scale>::template Group<Blocks>;
 
   int64_t span() const { return scales.group; }
   template <int Blocks>
@@ -343,17 +376,24 @@ PackedMatrix::PackedMatrix(Form form, torch::Tensor weights, torch::Tensor d, to
   const bool int8 = form == Form::kInt8;
   check_packed(this->weights, int8 ? torch::kInt8 : torch::kUInt8, 3, "q");
   check_scales(this->d, this->m, (int8 ? 1 : 2) * this->weights.size(1));
+  if (!kScalesInRegisters && this->d.scalar_type() == torch::kHalf) {  // exact: fp16 -> fp32
+    this->d = this->d.to(torch::kFloat32);
+    this->m = this->m.to(torch::kFloat32);
+  }
 }
 
 torch::Tensor PackedMatrix::operator()(const torch::Tensor& rows) const {
+  const auto integer = [&](auto scale) {
+    using Scale = decltype(scale);
+    return form == Form::kInt8 ? int8_linear<Scale>(rows, weights, d, m, N) : int4_linear<Scale>(rows, weights, d, m, N);
+  };
   torch::Tensor y;
-  const bool half = d.defined() && d.scalar_type() == torch::kHalf;
   if (form == Form::kFp32)
     y = linear(rows, Fp32Weights{weights.data_ptr<float>(), weights.size(1)}, weights.size(0), N);
-  else if (form == Form::kInt8)
-    y = half ? int8_linear<uint16_t>(rows, weights, d, m, N) : int8_linear<float>(rows, weights, d, m, N);
+  else if constexpr (kScalesInRegisters)
+    y = d.scalar_type() == torch::kHalf ? integer(uint16_t{}) : integer(float{});
   else
-    y = half ? int4_linear<uint16_t>(rows, weights, d, m, N) : int4_linear<float>(rows, weights, d, m, N);
+    y = integer(float{});
   if (bias.defined()) y += bias;
   return y;
 }

@@ -28,8 +28,12 @@ struct F32x16 {
 };
 
 constexpr const char* kInstructionSet = "avx512";
-// Register budget (32 zmm): up to 4 rows 4 blocks wide, else up to 12 rows 2 blocks wide.
+// Register budget (32 zmm): up to 4 rows 4 blocks wide, else up to 12 rows 2 blocks wide; an
+// integer form's scales stay in registers for their span of inputs.
 constexpr int64_t kFewRows = 4, kWideBlocks = 4, kBlocks = 2, kMaxRows = 12;
+constexpr bool kScalesInRegisters = true;
+// From this many row tiles on, integer blocks are rebuilt once per group (packed_linear.cpp).
+constexpr int64_t kRebuildTiles = 8;
 
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 
@@ -69,8 +73,13 @@ struct F32x16 {
 };
 
 constexpr const char* kInstructionSet = "avx2";
-// Register budget (16 ymm, two per block): one or two rows 3 blocks wide, else up to 6 rows 1 block wide.
-constexpr int64_t kFewRows = 2, kWideBlocks = 3, kBlocks = 1, kMaxRows = 6;
+// Register budget (16 ymm, two per block): one or two rows 2 blocks wide, else up to 6 rows 1
+// block wide. The accumulators take most registers, so an integer form's scales are read from
+// memory (fp32: an operand of the multiply-add) at every use, and a forward of more than one
+// tile rebuilds each group's weights once.
+constexpr int64_t kFewRows = 2, kWideBlocks = 2, kBlocks = 1, kMaxRows = 6;
+constexpr bool kScalesInRegisters = false;
+constexpr int64_t kRebuildTiles = 2;
 
 #else
 #error "the packed kernel needs AVX-512 (-mavx512f -mavx512vl -mfma) or AVX2 (-mavx2 -mfma -mf16c)"
