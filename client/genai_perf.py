@@ -90,14 +90,18 @@ def failed_requests(raw_export: dict[str, Any]) -> int:
 
 def served_tokenizer(model_repository: Path, model: str) -> Path:
     """The local folder holding the tokenizer `model` serves with (its converted embedded model or
-    the folder named by its config.pbtxt `model` parameter)."""
+    the folder named by its config.pbtxt `model` parameter, or by $LOOKAHEAD_MODEL, which replaces
+    it in the server as well)."""
+    from backend.launcher import MODEL_ENV
     from lookahead.models.loading import resolve_model_path
 
-    config = (model_repository / model / "config.pbtxt").read_text(encoding="utf-8")
-    match = _MODEL_PARAMETER.search(config)
-    if match is None:
-        raise LoadTestError(f"{model}/config.pbtxt sets no model parameter")
-    name = match.group(1)
+    name = os.environ.get(MODEL_ENV, "").strip()
+    if not name:
+        config = (model_repository / model / "config.pbtxt").read_text(encoding="utf-8")
+        match = _MODEL_PARAMETER.search(config)
+        if match is None:
+            raise LoadTestError(f"{model}/config.pbtxt sets no model parameter")
+        name = match.group(1)
     path = Path(name).expanduser()
     if not path.is_absolute() and (model_repository / path).is_dir():
         path = model_repository / path
