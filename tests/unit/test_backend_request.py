@@ -491,6 +491,8 @@ def test_a_failing_step_ends_only_that_request():
     assert "boom" in recorder.errors[0]
 
 
+# The engine thread re-raises the fatal error after failing every request, as it must.
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
 def test_when_the_engine_dies_mid_stream_every_request_gets_an_error_and_the_model_is_not_ready():
     device_error = torch.AcceleratorError("CUDA error: an illegal memory access was encountered")
     stopped: list[str] = []
