@@ -131,7 +131,6 @@ class TritonPythonModel:
                 f"{args['model_instance_name']}: linear_kernel auto chose {loaded.execution}; the fast CPU "
                 "path runs fp32 models on x86-64 CPUs with AVX-512 or AVX2 + FMA + F16C"
             )
-        self.stop_word_ids = decoder.stop_word_ids
         self.check_request = decoder.check_request
         self.limits = RequestLimits(
             config.lookahead,
@@ -177,7 +176,7 @@ class TritonPythonModel:
                 continue
             try:
                 state.request = parse_request(
-                    TritonInputs(request), self.limits, self.tokenize, self.check_request, self.stop_word_ids
+                    TritonInputs(request), self.limits, self.tokenize, self.check_request
                 )
             except RequestError as error:
                 self.responses.put(Update.failed(state, FailureCode.INVALID_ARG, str(error)))

@@ -105,12 +105,11 @@ def parse_request(
     limits: RequestLimits,
     tokenize: Callable[[str], list[int]],
     check: Callable[[int, SamplingParams, LookaheadConfig], None] | None = None,
-    stop_word_ids: Callable[[tuple[int | str, ...]], frozenset[int]] | None = None,
 ) -> GenerationRequest:
     """Validate every input; raise RequestError with a message naming the offending one.
 
-    check: the decoder's own check of a request (vocabulary, context, KV bound), raising ValueError;
-    stop_word_ids (the decoder's) checks a request's stop_words against the tokenizer.
+    check: the decoder's own check of a request (vocabulary, stop_words, context, KV bound), raising
+    ValueError.
     """
     prompt = _text_input(inputs)
     flags = {name: _flag(inputs, name) for name in _FLAGS}
@@ -125,11 +124,6 @@ def parse_request(
     except ValueError as error:
         raise RequestError(str(error)) from None
     lookahead = _lookahead_config(options, limits.lookahead)
-    if stop_word_ids is not None:
-        try:
-            stop_word_ids(lookahead.stop_words)
-        except ValueError as error:
-            raise RequestError(str(error)) from None
 
     if limits.max_prompt_bytes is not None and len(prompt) * 4 > limits.max_prompt_bytes:
         size = len(prompt.encode("utf-8"))

@@ -141,10 +141,12 @@ class LookaheadDecoder:
 
     def check_request(self, prompt_length: int, params: SamplingParams, lookahead: LookaheadConfig) -> None:
         """Raise ValueError for a request this decoder can never serve: an empty prompt, token ids
-        outside the vocabulary, more tokens than the model's context, more KV than kv_cache_bytes."""
+        outside the vocabulary, stop_words the tokenizer cannot resolve, more tokens than the model's
+        context, more KV than kv_cache_bytes."""
         if prompt_length < 1:
             raise ValueError("the prompt must contain at least one token")
         params.check_vocabulary(self.vocab_size)
+        self.stop_word_ids(lookahead.stop_words)
         total = prompt_length + params.max_tokens
         if self.context_length is not None and total > self.context_length:
             raise ValueError(

@@ -637,14 +637,15 @@ def test_stop_words_and_debug_are_per_request_overrides():
 
 
 def test_stop_words_the_tokenizer_cannot_resolve_are_invalid_arguments():
-    def stop_word_ids(words):
-        raise ValueError("stop_words entry 'ab' is 2 tokens [97, 98], not one")
+    def check(prompt_tokens, params, lookahead):
+        if lookahead.stop_words == ("ab",):
+            raise ValueError("stop_words entry 'ab' is 2 tokens [97, 98], not one")
 
     options = DictInputs(
         {"text_input": strings("Hi"), "sampling_parameters": sampling({"stop_words": ["ab"]})}
     )
     with pytest.raises(RequestError, match="stop_words entry 'ab' is 2 tokens"):
-        parse_request(options, LIMITS, tokenize, stop_word_ids=stop_word_ids)
+        parse_request(options, LIMITS, tokenize, check)
 
 
 # vLLM's keys: supported, accepted at their neutral value, or refused by name
