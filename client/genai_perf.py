@@ -19,20 +19,19 @@ Writes genai_perf.md (the table), genai_perf.csv, genai_perf.png and genai-perf'
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
 import re
 import subprocess
 import sys
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from backend.launcher import TritonServerError
 
-from .load_test import MODELS, REPO_ROOT, LoadTestError, parse_concurrency, server_url
+from .load_test import MODELS, REPO_ROOT, LoadTestError, parse_concurrency, server_url, write_csv
 
 GENAI_PERF = REPO_ROOT / ".venv-genai-perf" / "bin" / "genai-perf"
 PERF_ANALYZER = REPO_ROOT / "scripts" / "perf_analyzer.sh"
@@ -205,13 +204,6 @@ def format_table(points: Sequence[GenaiPerfPoint]) -> str:
             f"| {p.inter_token_latency_p99_ms:.1f} | {p.requests_per_second:.2f} |"
         )
     return "\n".join(lines)
-
-
-def write_csv(points: Sequence[GenaiPerfPoint], path: Path) -> None:
-    with open(path, "w", newline="", encoding="utf-8") as file:
-        writer = csv.DictWriter(file, fieldnames=[f.name for f in fields(GenaiPerfPoint)])
-        writer.writeheader()
-        writer.writerows(asdict(point) for point in points)
 
 
 def plot(points: Sequence[GenaiPerfPoint], path: Path, title: str) -> None:

@@ -269,9 +269,10 @@ def format_table(points: Sequence[LoadPoint]) -> str:
     return "\n".join(lines)
 
 
-def write_csv(points: Sequence[LoadPoint], path: Path) -> None:
+def write_csv(points: Sequence[Any], path: Path) -> None:
+    """One row per point (a dataclass instance), one column per field."""
     with open(path, "w", newline="", encoding="utf-8") as file:
-        writer = csv.DictWriter(file, fieldnames=[f.name for f in fields(LoadPoint)])
+        writer = csv.DictWriter(file, fieldnames=[f.name for f in fields(points[0])])
         writer.writeheader()
         writer.writerows(asdict(point) for point in points)
 
