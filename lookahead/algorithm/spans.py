@@ -7,9 +7,15 @@ it (code edits, quoted documents, repeated answers). `SpanIndex` keeps where eve
 n-gram of the request's text (prompt and output) ends, finds the earlier occurrence whose
 agreement with the latest tokens runs back furthest, and proposes what followed it.
 
+An edit breaks a copy: the model writes something else (a new name, an inserted line) and then
+goes back to copying where it left off, or a little further on. Until KEY tokens agree again the
+index resumes the broken copy itself: once the latest token is one of the RESUME_WINDOW source
+tokens from the break on, it proposes what followed that token.
+
 Probabilities follow Laplace's rule of succession: after m matching tokens the next one matches
 with probability (m + 1) / (m + 2), so reaching depth d of the copy has probability
-(m + 1) / (m + d + 1). A long match thus earns a long draft, a short one a short draft.
+(m + 1) / (m + d + 1). A long match thus earns a long draft, a short one (a resumed copy after
+one agreeing token) a short draft.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from dataclasses import dataclass
 KEY = 4  # shortest repeat looked up: shorter contexts are the tries' job
 MAX_CANDIDATES = 16  # most recent earlier occurrences of the key compared per lookup
 MAX_MATCH = 256  # a match is measured up to this length: beyond it the probabilities barely change
+RESUME_WINDOW = 32  # source tokens from a copy's break on where copying may resume (what an edit replaced)
 
 
 @dataclass(frozen=True)
@@ -41,17 +48,26 @@ class SpanIndex:
     def __init__(self, tokens: Iterable[int] = ()) -> None:
         self._ids: list[int] = []
         self._ends: dict[tuple[int, ...], list[int]] = {}
+        self._cursor = -1  # position of the token the latest copy proposes next, -1 for none
+        self._break = -1  # position of the source token where the latest copy broke off, -1 for none
         self.extend(tokens)
 
     def extend(self, tokens: Iterable[int]) -> None:
         ids = self._ids
         for token in tokens:
-            ids.append(int(token))
+            token = int(token)
+            if self._cursor >= 0:  # the cursor always lies before the end: it reads earlier text
+                if ids[self._cursor] == token:
+                    self._cursor += 1
+                else:
+                    self._break, self._cursor = self._cursor, -1
+            ids.append(token)
             if len(ids) >= KEY:
                 self._ends.setdefault(tuple(ids[-KEY:]), []).append(len(ids))
 
     def continuation(self, max_tokens: int) -> Copy | None:
-        """What followed the longest earlier repeat of the latest tokens (ties: the most recent)."""
+        """What followed the longest earlier repeat of the latest tokens (ties: the most recent);
+        without one, the latest broken copy resumed (see `_resumed`)."""
         ids = self._ids
         n = len(ids)
         if n < KEY or max_tokens <= 0:
@@ -65,5 +81,22 @@ class SpanIndex:
             if matched > best_matched:
                 best_end, best_matched = end, matched
         if best_end < 0:
-            return None
+            return self._resumed(max_tokens)
+        self._cursor = best_end
         return Copy(ids[best_end : best_end + max_tokens], best_matched)
+
+    def _resumed(self, max_tokens: int) -> Copy | None:
+        """The broken copy again, from the first source token after the break that equals the
+        latest token. The cursor is left alone: a wrong guess must not move the break."""
+        ids = self._ids
+        n = len(ids)
+        start = self._break
+        if start < 0:
+            return None
+        for position in range(start, min(start + RESUME_WINDOW, n - 1)):
+            if ids[position] == ids[-1]:
+                matched = 1
+                while matched < MAX_MATCH and matched <= position and ids[position - matched] == ids[n - 1 - matched]:
+                    matched += 1
+                return Copy(ids[position + 1 : position + 1 + max_tokens], matched)
+        return None

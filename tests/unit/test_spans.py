@@ -7,7 +7,7 @@ import random
 import pytest
 
 from lookahead.algorithm.retrieval import retrieve_draft
-from lookahead.algorithm.spans import KEY, Copy, SpanIndex
+from lookahead.algorithm.spans import KEY, RESUME_WINDOW, Copy, SpanIndex
 from lookahead.algorithm.trie import NGramTrie
 
 
@@ -37,6 +37,52 @@ def test_extend_sees_new_tokens_and_a_self_overlapping_repeat():
     assert index.continuation(3) == Copy([5, 6, 7], matched=4)  # a loop continues itself
     index.extend([5])
     assert index.continuation(8).tokens == [6, 7, 8, 5]  # only what exists so far
+
+
+def copying_then_broken(source: list[int]) -> SpanIndex:
+    """An index over `source` whose output copied source[0:6] and then wrote 99 instead of source[6]."""
+    index = SpanIndex([*source, *source[:4]])
+    assert index.continuation(5) == Copy(source[4:9], matched=4)
+    index.extend([*source[4:6], 99])
+    return index
+
+
+SOURCE = list(range(10, 60))
+
+
+def test_a_copy_resumes_after_an_insertion():
+    index = copying_then_broken(SOURCE)
+    assert index.continuation(3) is None  # 99 is not in the source: nothing to resume from yet
+    index.extend([SOURCE[6]])  # back to copying where it broke off
+    assert index.continuation(3) == Copy(SOURCE[7:10], matched=1)
+
+
+def test_a_copy_resumes_after_a_replacement():
+    index = copying_then_broken(SOURCE)
+    index.extend([98, SOURCE[8]])  # 99 98 replaced source[6:8]
+    assert index.continuation(3) == Copy(SOURCE[9:12], matched=1)
+
+
+def test_a_copy_resumes_only_within_the_window_after_its_break():
+    index = copying_then_broken(SOURCE)
+    index.extend([SOURCE[6 + RESUME_WINDOW]])
+    assert index.continuation(3) is None
+    index.extend([SOURCE[5]])  # before the break: not a resumption
+    assert index.continuation(3) is None
+
+
+def test_a_wrong_resumption_keeps_the_break():
+    index = copying_then_broken(SOURCE)
+    index.extend([SOURCE[20]])
+    assert index.continuation(2) == Copy(SOURCE[21:23], matched=1)
+    index.extend([97, SOURCE[6]])  # the guess was wrong; the model goes back to the break
+    assert index.continuation(2) == Copy(SOURCE[7:9], matched=1)
+
+
+def test_once_key_tokens_agree_again_the_longest_repeat_takes_over():
+    index = copying_then_broken(SOURCE)
+    index.extend(SOURCE[6:10])
+    assert index.continuation(3) == Copy(SOURCE[10:13], matched=KEY)
 
 
 def test_probabilities_follow_the_rule_of_succession():
