@@ -96,7 +96,11 @@ class SpanIndex:
         for position in range(start, min(start + RESUME_WINDOW, n - 1)):
             if ids[position] == ids[-1]:
                 matched = 1
-                while matched < MAX_MATCH and matched <= position and ids[position - matched] == ids[n - 1 - matched]:
+                while (
+                    matched < MAX_MATCH
+                    and matched <= position
+                    and ids[position - matched] == ids[n - 1 - matched]
+                ):
                     matched += 1
                 return Copy(ids[position + 1 : position + 1 + max_tokens], matched)
         return None
