@@ -352,7 +352,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     freeze_loaded_objects()  # as the server does
     print(
         f"model {loaded.name} on {args.device} ({args.dtype}, {torch.get_num_threads()} threads, "
-        f"{loaded.linear_kernel} linear kernel)",
+        f"{loaded.execution})",
         flush=True,
     )
     print(f"note: {TRIE_LEARNING_NOTE}", flush=True)

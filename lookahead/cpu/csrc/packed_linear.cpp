@@ -35,8 +35,8 @@ constexpr int64_t kLanes = 16;  // outputs per packed block
 
 // Every form loads the weights of k + H for an even k and H = 0 or 1 (a compile-time constant),
 // so that Int4Weights knows which half of a byte it wants, and prefetches the lines a pair of
-// k's reads. The integer forms rebuild weights from scales held in registers for a span of 16 or
-// 32 inputs (`group`); fp32 has no scales, and one span covers all of K.
+// k's reads. The integer forms rebuild weights from the scales of a span of 16 or 32 inputs
+// (`group`); fp32 has no scales, and one span covers all of K.
 struct Fp32Weights {
   const float* w;  // [blocks][K][16]
   int64_t K;
@@ -109,18 +109,19 @@ struct Scales {
   template <int Blocks>
   using Group = std::conditional_t<kScalesInRegisters, ScaleRegisters<Blocks>, ScaleLoads<Blocks, Scale>>;
 
+  // The scales of the span holding input k, as Group<Blocks> reads them: in registers or from memory.
   template <int Blocks>
-  Group<Blocks> registers(int64_t K, int64_t k) const {
+  Group<Blocks> span_scales(int64_t K, int64_t k) const {
     if constexpr (!kScalesInRegisters) {
       const int64_t offset = (k / group) * kLanes;
       return {d + offset, m + offset, (K / group) * kLanes};
     } else {
-      return registers_of<Blocks>(K, k);
+      return in_registers<Blocks>(K, k);
     }
   }
 
   template <int Blocks>
-  ScaleRegisters<Blocks> registers_of(int64_t K, int64_t k) const {
+  ScaleRegisters<Blocks> in_registers(int64_t K, int64_t k) const {
     ScaleRegisters<Blocks> registers;
 #pragma GCC unroll 16
     for (int j = 0; j < Blocks; ++j) {
@@ -143,7 +144,7 @@ struct ScaledWeights {
 
   int64_t span() const { return scales.group; }
   template <int Blocks>
-  Group<Blocks> group(int64_t k) const { return scales.template registers<Blocks>(K, k); }
+  Group<Blocks> group(int64_t k) const { return scales.template span_scales<Blocks>(K, k); }
 };
 
 template <class Scale>
