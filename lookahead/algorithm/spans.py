@@ -75,9 +75,7 @@ class SpanIndex:
         ends = self._ends[tuple(ids[-KEY:])][:-1]  # the last entry is the latest tokens themselves
         best_end, best_matched = -1, 0
         for end in reversed(ends[-MAX_CANDIDATES:]):
-            matched = KEY
-            while matched < MAX_MATCH and matched < end and ids[end - matched - 1] == ids[n - matched - 1]:
-                matched += 1
+            matched = self._agreement(end, KEY)
             if matched > best_matched:
                 best_end, best_matched = end, matched
         if best_end < 0:
@@ -95,12 +93,16 @@ class SpanIndex:
             return None
         for position in range(start, min(start + RESUME_WINDOW, n - 1)):
             if ids[position] == ids[-1]:
-                matched = 1
-                while (
-                    matched < MAX_MATCH
-                    and matched <= position
-                    and ids[position - matched] == ids[n - 1 - matched]
-                ):
-                    matched += 1
-                return Copy(ids[position + 1 : position + 1 + max_tokens], matched)
+                end = position + 1
+                return Copy(ids[end : end + max_tokens], self._agreement(end, 1))
         return None
+
+    def _agreement(self, end: int, known: int) -> int:
+        """How many tokens before `end` equal the latest ones, counting back (up to MAX_MATCH) from
+        `known` tokens already seen to agree."""
+        ids = self._ids
+        n = len(ids)
+        matched = known
+        while matched < MAX_MATCH and matched < end and ids[end - matched - 1] == ids[n - matched - 1]:
+            matched += 1
+        return matched
