@@ -292,7 +292,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{args.output_tokens} output tokens per request"
     )
     (args.out / "genai_perf.md").write_text(f"# {title}\n\n{table}\n", encoding="utf-8")
-    write_csv(points, args.out / "genai_perf.csv")
+    write_csv(points, GenaiPerfPoint, args.out / "genai_perf.csv")
     plot(points, args.out / "genai_perf.png", title)
     print(f"wrote {args.out / 'genai_perf.md'}, genai_perf.csv and genai_perf.png")
     return 0

@@ -269,10 +269,10 @@ def format_table(points: Sequence[LoadPoint]) -> str:
     return "\n".join(lines)
 
 
-def write_csv(points: Sequence[Any], path: Path) -> None:
-    """One row per point (a dataclass instance), one column per field."""
+def write_csv(points: Sequence[Any], row_type: type, path: Path) -> None:
+    """One row per point (an instance of the dataclass `row_type`), one column per field."""
     with open(path, "w", newline="", encoding="utf-8") as file:
-        writer = csv.DictWriter(file, fieldnames=[f.name for f in fields(points[0])])
+        writer = csv.DictWriter(file, fieldnames=[f.name for f in fields(row_type)])
         writer.writeheader()
         writer.writerows(asdict(point) for point in points)
 
@@ -388,7 +388,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(table)
     title = f"{args.prompt_set}, {args.prompts} prompts, {args.max_tokens} tokens per request"
     (args.out / "load_test.md").write_text(f"# Load test: {title}\n\n{table}\n", encoding="utf-8")
-    write_csv(points, args.out / "load_test.csv")
+    write_csv(points, LoadPoint, args.out / "load_test.csv")
     plot(points, args.out / "load_test.png", title)
     print(f"wrote {args.out / 'load_test.md'}, load_test.csv and load_test.png")
     return 0

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from client.load_test import (
+    LoadPoint,
     LoadTestError,
     PromptSlices,
     format_table,
@@ -145,7 +146,7 @@ def test_report_files(tmp_path: Path) -> None:
     table = format_table(points).splitlines()
     assert len(table) == 2 + len(points)
     assert table[2].split("|")[1:4] == [" lookahead ", " 1 ", " 1 "]
-    write_csv(points, tmp_path / "load.csv")
+    write_csv(points, LoadPoint, tmp_path / "load.csv")
     with open(tmp_path / "load.csv", newline="") as file:
         rows = list(csv.DictReader(file))
     assert [(row["model"], int(row["concurrency"])) for row in rows] == [
