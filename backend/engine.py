@@ -2,8 +2,9 @@
 
 `execute` hands validated requests over through a queue and returns at once. The engine
 thread advances every in-flight request with one batched `LookaheadDecoder.step()` per
-iteration (continuous batching: requests join and leave between steps, a new one is prefilled
-in the iteration it arrives), so a long generation never keeps a short one from starting. It
+iteration (continuous batching: requests join and leave between steps, a new one starts reading
+its prompt in the iteration it arrives), so a long generation never keeps a short one from
+starting, and a long prompt, read in chunks, never stalls the running streams. It
 turns each step into an `Update` for the response thread; it never blocks on IPC itself.
 Between steps it snapshots the global trie, so a snapshot never sees a half-applied step.
 """
@@ -293,14 +294,10 @@ class Engine:
         for state in [s for s in self.active if s.cancelled]:
             self.log.log_info(f"Cancelling request {state.id}")
             self._finish(state, Update.failed(state, FailureCode.CANCELLED, "Request was cancelled"))
-        # New requests are prefilled one by one, each sending its first token at once, before the
-        # others' decoding step: time to first token never includes a decoding step, and in a
-        # burst of arrivals only the last one waits for every prefill.
-        decoding = [state for state in self.active if state.generation.in_pool]
-        for state in [state for state in self.active if not state.generation.in_pool]:
-            self._step([state])
-        if decoding:
-            self._step(decoding)
+        # One forward for everyone: new requests read their prompts in chunks beside the running
+        # requests' steps, so a long prompt never stalls a stream for more than a step.
+        if self.active:
+            self._step(list(self.active))
 
     def _step(self, states: list[RequestState]) -> None:
         """One decoder.step() for these requests, then their updates. A request whose own work

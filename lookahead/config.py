@@ -229,9 +229,10 @@ class SamplingParams:
 class DecoderConfig:
     """What the requests of one decoder share.
 
-    step_token_budget: most tokens fed per batched forward (roots included); drafts shrink as
-    the batch grows. max_speculative_batch: above this many running requests, decode plainly
-    (on a 2-core CPU a plain step of 8 rows already costs 1.6x one row; a GPU affords more).
+    step_token_budget: most tokens fed per forward (roots, draft nodes and prompt chunks): the
+    planner spends it node by node where drafts pay, and a long prompt is read in chunks of it.
+    max_speculative_batch: an optional cap: above this many running requests, decode plainly
+    (0, the default: no cap, the planner alone decides).
     prefix_cache_tokens: prompt tokens whose KV is kept for later prompts that share a prefix
     (runtime/prefix_cache.py); 0 turns the cache off.
     kv_cache_bytes: most bytes the running requests' KV pool may hold, counted for each request's
@@ -239,7 +240,7 @@ class DecoderConfig:
     """
 
     step_token_budget: int = 128
-    max_speculative_batch: int = 3
+    max_speculative_batch: int = 0
     prefix_cache_tokens: int = 2048
     kv_cache_bytes: int = 2 * 1024**3
 

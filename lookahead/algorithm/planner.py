@@ -7,7 +7,9 @@ expectation. We keep the top-m nodes by probability (a connected subtree, since 
 never grow along a path) for the m that maximises (1 + c * sum p) / cost(m + 1), where c
 calibrates the draft's probability estimates against what the model actually accepted. m = 0
 is a plain decoding step. Both cost(q) and c are learned online from real steps. A batched step
-applies the same rule to the whole batch (see plan_step).
+applies the same rule node by node across all its requests (see plan_step): the step's tokens
+go to whichever request's next node is most likely to be accepted, so a request copying its
+prompt drafts long while a chatty one beside it drafts nothing.
 """
 
 from __future__ import annotations
@@ -16,7 +18,6 @@ import math
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
-from itertools import accumulate
 
 from .draft import Draft
 
@@ -138,30 +139,44 @@ def plan_step(
     adaptive: list[bool],
     cost: CostModel,
     token_budget: int,
+    other_tokens: int = 0,
 ) -> list[Draft]:
-    """Trim the drafts of one batched step to the most cost-effective common width.
+    """Trim the drafts of one step to the nodes whose expected accepted tokens pay for their cost.
 
-    The batch is fed as k rows of q tokens (drafts padded to the widest), so a step costs
-    cost(k * q). For every q within the budget the expected yield is the sum over requests of
-    1 + (sum of its q - 1 most probable node probabilities, calibrated by that request's own
-    ratios: acceptance differs a lot between, say, code editing and a story); the q with
-    the best yield per cost wins, q = 1 being plain batched decoding. Requests that opted out of
-    adaptivity keep their whole draft (within the budget).
+    The step feeds every request's root and kept nodes as one ragged row, beside `other_tokens`
+    more (prompt chunks), so it costs cost(k + other_tokens + m) for m kept nodes. Every node's
+    worth is its probability of being accepted, calibrated by its own request's ratios
+    (acceptance differs a lot between, say, code editing and a story). Nodes are taken most
+    likely first across all requests, each after its parent, and the m with the best expected
+    tokens per cost wins (m = 0: plain decoding). Requests that opted out of adaptivity keep
+    their whole draft, within the budget (token_budget - k - other_tokens nodes in all).
     """
     k = len(drafts)
-    widest = max(1, token_budget // k)
-    weights = [c.calibrated(d) for d, c in zip(drafts, calibrations)]
-    orders = [sorted(range(1, len(w)), key=lambda i, w=w: -w[i]) for w in weights]
-    # gains[r][m]: request r's expected accepted tokens from its m most probable nodes
-    gains = [list(accumulate((w[i] for i in order), initial=0.0)) for w, order in zip(weights, orders)]
-    forced = max((len(d) for d, a in zip(drafts, adaptive) if not a), default=1)
-    best_q, best_rate = 1, -1.0
-    for q in range(min(forced, widest), min(widest, max(len(d) for d in drafts)) + 1):
-        expected = k + sum(gain[min(q, len(gain)) - 1] for gain in gains)
-        rate = expected / cost.relative(k * q)
+    fixed = k + other_tokens
+    room = max(0, token_budget - fixed)
+    keep: list[list[int]] = [[0] for _ in drafts]
+    forced_gain = 0.0
+    candidates: list[tuple[float, int, int]] = []
+    for r, (draft, calibration, free) in enumerate(zip(drafts, calibrations, adaptive)):
+        weights = calibration.calibrated(draft)
+        if free:
+            candidates.extend((-weights[i], r, i) for i in range(1, len(draft)))
+            continue
+        taken = list(range(1, min(len(draft), room + 1)))  # DFS order: parents first
+        keep[r] += taken
+        forced_gain += sum(weights[i] for i in taken)
+        room -= len(taken)
+    candidates.sort()  # most likely first; a parent (never less likely) before its children
+    candidates = candidates[:room]
+    best_m, best_rate = 0, -1.0
+    gain = float(k) + forced_gain
+    base = fixed + sum(len(nodes) - 1 for nodes in keep)
+    for m in range(len(candidates) + 1):
+        if m:
+            gain -= candidates[m - 1][0]
+        rate = gain / cost.relative(base + m)
         if rate > best_rate:
-            best_q, best_rate = q, rate
-    return [
-        d if len(d) <= best_q else d.subset(sorted([0, *order[: best_q - 1]]))
-        for d, order in zip(drafts, orders)
-    ]
+            best_m, best_rate = m, rate
+    for _, r, i in candidates[:best_m]:
+        keep[r].append(i)
+    return [d if len(nodes) == len(d) else d.subset(sorted(nodes)) for d, nodes in zip(drafts, keep)]

@@ -10,7 +10,8 @@ and k together; only the cache update between its two halves stays in Python. Be
 layers stay what transformers expects (its output capture finds them by class). A Llama's inner
 model is wrapped in a `LeanLlamaModel`: no transformers wrappers around the layer loop, and on
 the decoder's KV pool the whole loop, pool writes included, is one C++ call (`LeanStack`, which
-applies the step's `PoolStep` as transformers' layers do through `StepCache`).
+applies the step's `PoolStep` as transformers' layers do through `StepCache`). On the pool every
+lean layer attends a ragged step segment by segment, each over its own slot only.
 
 The swap must reproduce the model's own forward bit for bit, which is checked at load (a
 prefill, a masked two-token step, a padded batch); on any difference the model keeps
@@ -32,7 +33,7 @@ from transformers.models.mistral.modeling_mistral import MistralDecoderLayer
 from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer
 from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer
 
-from ..runtime.kv_pool import PoolStep, StepCache
+from ..runtime.kv_pool import StepCache
 from .packed_linear import PackedLinear
 
 
@@ -41,6 +42,7 @@ class LeanDecoderLayer:
     Mixed into each supported layer class; `lean` is the C++ layer over this layer's weights."""
 
     lean: Any
+    pool_step: type  # the extension's PoolStep
 
     def forward(
         self,
@@ -51,6 +53,13 @@ class LeanDecoderLayer:
         **kwargs: Any,
     ) -> torch.Tensor:
         queries, keys, values = self.lean.before_attention(hidden_states, *position_embeddings)
+        if isinstance(cache, StepCache) and attention_mask is not None:  # on the decoder's pool, from C++
+            pool, index = cache.pool, self.self_attn.layer_idx
+            step = cache.twin(self.pool_step)
+            attended = self.lean.attend_pool(
+                queries, keys, values, attention_mask, pool.keys[index], pool.values[index], step
+            )
+            return self.lean.finish(hidden_states, attended)
         if cache is not None:
             keys, values = cache.update(keys, values, self.self_attn.layer_idx, kwargs=kwargs)
         length = hidden_states.shape[1]
@@ -146,7 +155,7 @@ class LeanLlamaModel(nn.Module):
         if isinstance(cache, StepCache) and mask is not None:
             pool = cache.pool
             hidden_states = self.stack(
-                hidden_states, *embeddings, mask, pool.keys, pool.values, self._pool_step(cache.step)
+                hidden_states, *embeddings, mask, pool.keys, pool.values, cache.twin(self.pool_step)
             )
         else:
             for layer in self.layers:
@@ -154,10 +163,6 @@ class LeanLlamaModel(nn.Module):
                     hidden_states, attention_mask=mask, cache=cache, position_embeddings=embeddings
                 )
         return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden_states), cache=cache)
-
-    def _pool_step(self, step: PoolStep) -> Any:
-        """The C++ twin of the step's PoolStep."""
-        return self.pool_step(step.start, step.slots, step.positions, step.read_length)
 
 
 def use_lean_layers(model: nn.Module, extension: ModuleType) -> bool:
@@ -170,6 +175,7 @@ def use_lean_layers(model: nn.Module, extension: ModuleType) -> bool:
     originals = [type(layer) for layer in layers]
     for layer in layers:
         layer.lean = _lean_layer(layer, extension)
+        layer.pool_step = extension.PoolStep
         layer.__class__ = LEAN_CLASSES[type(layer)]  # the same module, its lean subclass
     inner = getattr(model, "model", None)
     if type(inner) is LlamaModel:  # others build per-layer-type (sliding) masks
@@ -178,7 +184,7 @@ def use_lean_layers(model: nn.Module, extension: ModuleType) -> bool:
         return True
     for layer, original in zip(layers, originals):
         layer.__class__ = original
-        del layer.lean
+        del layer.lean, layer.pool_step
     if type(inner) is LlamaModel:
         model.model = inner
     return False

@@ -2,10 +2,12 @@
 
 One `Generation` per request (generation.py) holds its token history, its sampler and its own
 trie (its prompt; its output too when there is no global trie). The decoder holds what requests
-share: the model, the KV pool, the global trie that learns from every generated token, and the
-online cost model that decides how much drafting pays. `decoder.step(generations)` advances any
-number of requests with one forward: each contributes its root token and its draft tree, padded
-to a common width.
+share and does every forward: the model, the KV pool, the prefix cache, the global trie that
+learns from every generated token, and the online cost model that decides how much drafting
+pays. `decoder.step(generations)` advances any number of requests with one forward of one
+ragged row: each running request contributes its root and exactly the draft nodes the step's
+token budget gives it (planner.plan_step), and a request still reading its prompt a chunk of it,
+so a long prompt never stalls the others for more than a step.
 
     gen = decoder.start(prompt_ids, SamplingParams(max_tokens=64))
     while not gen.finished:
@@ -17,6 +19,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -27,11 +30,11 @@ from ..algorithm.planner import Calibration, CostModel, plan_step
 from ..algorithm.trie import NGramTrie
 from ..algorithm.verify import verify
 from ..config import DecoderConfig, LookaheadConfig, SamplingParams, TrieConfig
-from .generation import Generation, GenerationStats, StepOutput
-from .kv_pool import KVPool, accepted_moves, pow2
+from .generation import Generation, GenerationStats, Shared, StepOutput
+from .kv_pool import KVLayout, KVPool, PoolStep, accepted_moves, pow2
 from .output_layer import plain_output_layer
 from .prefix_cache import PrefixCache
-from .step_inputs import AttentionMasks, decode_inputs, to_device
+from .step_inputs import AttentionMasks, Segment, decode_inputs, ragged_inputs, to_device
 from .stop_words import stop_word_ids
 
 if TYPE_CHECKING:
@@ -44,6 +47,18 @@ _SCORED_ROWS = 256
 # The trie's probabilities overstate acceptance about threefold until calibrated (the shared
 # ratio settles at 0.3-0.4 on every benchmark set), so a cold decoder starts there.
 INITIAL_CALIBRATION = 0.35
+# While a prompt is being read, drafts may take at most this share of what the running
+# requests' roots leave of the step's budget; the prompt's chunk gets the rest.
+DRAFT_SHARE_BESIDE_PROMPT = 0.5
+
+
+@dataclass
+class _Work:
+    """One generation's part of a step: its segment, and the draft verified after it (if any)."""
+
+    gen: Generation
+    segment: Segment
+    scoring: bool = False  # its prompt chunk's logits are scored (prompt logprobs)
 
 
 class LookaheadDecoder:
@@ -86,6 +101,7 @@ class LookaheadDecoder:
         self.vocab_size = model.get_input_embeddings().num_embeddings
         self.context_length: int | None = getattr(model.config, "max_position_embeddings", None)
         self.kv_cache_bytes = kv_cache_bytes
+        self._kv_layout: KVLayout | None = None
         self._kv_bytes_per_token: int | None = None
         self.pool = KVPool()
         self.prefix_cache = PrefixCache(prefix_cache_tokens)
@@ -136,8 +152,21 @@ class LookaheadDecoder:
         lookahead: LookaheadConfig | None = None,
         request_id: str = "",
     ) -> Generation:
-        self.check_request(len(prompt_ids), params, lookahead or self.config)
-        return Generation(self, list(prompt_ids), params, lookahead or self.config, request_id)
+        config = lookahead or self.config
+        self.check_request(len(prompt_ids), params, config)
+        shared = Shared(
+            tokenizer=self.tokenizer,
+            eos_token_ids=self.eos_token_ids,
+            device=self.device,
+            trie=self.trie,
+            trie_depth=self.trie_depth,
+            calibration=self.calibration,
+            stop_words=self.stop_word_ids(config.stop_words),
+            debug_log=self.debug_log,
+            step=lambda gen: self.step([gen])[0],
+            release=self.pool.release,
+        )
+        return Generation(shared, list(prompt_ids), params, config, request_id)
 
     def check_request(self, prompt_length: int, params: SamplingParams, lookahead: LookaheadConfig) -> None:
         """Raise ValueError for a request this decoder can never serve: an empty prompt, token ids
@@ -177,15 +206,26 @@ class LookaheadDecoder:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """Bytes of one position's keys and values over all layers (measured once, on one token)."""
-        if self._kv_bytes_per_token is None:
+        """Bytes of one position's keys and values over all layers."""
+        layout = self.kv_layout
+        size = torch.tensor([], dtype=layout.dtype).element_size()
+        return sum(2 * heads * dim * size for heads, dim in zip(layout.heads, layout.head_dims))
+
+    @property
+    def kv_layout(self) -> KVLayout:
+        """Every layer's KV heads and head size (read once off a one-token forward)."""
+        if self._kv_layout is None:
             cache = DynamicCache()
             with torch.inference_mode():
                 self.model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=self.device), cache=cache)
-            self._kv_bytes_per_token = sum(
-                layer.keys.nbytes + layer.values.nbytes for layer in cache.layers if layer.keys is not None
+            layers = [layer for layer in cache.layers if layer.keys is not None]
+            self._kv_layout = KVLayout(
+                [layer.keys.shape[1] for layer in layers],
+                [layer.keys.shape[3] for layer in layers],
+                layers[0].keys.dtype,
+                layers[0].keys.device,
             )
-        return self._kv_bytes_per_token
+        return self._kv_layout
 
     def stream(
         self, prompt_ids: Sequence[int], params: SamplingParams = SamplingParams(), **kwargs: Any
@@ -211,28 +251,151 @@ class LookaheadDecoder:
 
     @torch.inference_mode()
     def step(self, generations: Sequence[Generation]) -> list[StepOutput]:
-        """Advance every generation by one step: prefill the new ones, decode the rest together.
+        """Advance every generation by one step, all in one forward: a chunk of the prompt for those
+        still reading it, the root and its planned draft for the others.
 
-        A request whose own work fails (its draft, its sampler, its text) ends with an output whose
-        `error` says why, finish_reason "error"; the others are unaffected. A failure of the shared
-        forward is raised, before any request has committed anything, so the caller may step
-        each request alone again.
+        A generation the step's budget leaves no room for (a prompt behind another one's chunk)
+        gets an empty output. A request whose own work fails (its draft, its sampler, its text)
+        ends with an output whose `error` says why, finish_reason "error"; the others are
+        unaffected. A failure of the shared forward is raised, before any request has committed
+        anything, so the caller may step each request alone again.
         """
         if any(gen.finished for gen in generations):
             raise RuntimeError("step() called on a finished or closed generation")
-        # A prefill's draft pays only when the steps it saves are the request's own: in a batch
-        # above max_speculative_batch every step runs for the others anyway.
-        drafting = len(generations) <= self.max_speculative_batch
-        outputs = {}
+        outputs: dict[int, StepOutput] = {}
         for gen in generations:
-            if not gen.in_pool:
-                outputs[id(gen)] = _isolated(gen, lambda gen=gen: gen.prefill(drafting))
-        running = [gen for gen in generations if id(gen) not in outputs]
-        if running:
-            running = self.pool.arrange(running, max(len(gen.ids) - 1 for gen in running))
-            outputs.update(zip(map(id, running), self._decode(running)))
+            if gen.fed is None:
+                failure = _attempt(gen, lambda gen=gen: self._admit(gen))
+                if failure is not None:
+                    outputs[id(gen)] = failure
+        works = self._plan([gen for gen in generations if id(gen) not in outputs], outputs)
+        if works:
+            outputs.update(self._run(works))
         self._fit_pool()
-        return [outputs[id(gen)] for gen in generations]
+        return [outputs.get(id(gen)) or StepOutput([], "") for gen in generations]
+
+    def _admit(self, gen: Generation) -> None:
+        """Give a new generation a pool slot holding whatever prefix of its prompt the prefix cache
+        has (none when its prompt is scored: every prompt position's logits are needed)."""
+        if self.pool.layout is None:
+            self.pool.layout = self.kv_layout
+        cached, keys, values = (0, [], []) if gen.scoring_prompt else self.prefix_cache.lookup(gen.ids)
+        self.pool.admit(gen, keys, values)
+        gen.fed = cached
+        gen.stats.cached_prompt_tokens = cached
+        gen.started = time.perf_counter()
+
+    def _plan(self, gens: list[Generation], failed: dict[int, StepOutput]) -> list[_Work]:
+        """Each generation's segment of this step, within step_token_budget.
+
+        Running requests' roots come first; then, first come first served, prompts that fit whole
+        (their last token becomes a root); then the drafts of every root, node by node where
+        they pay (plan_step), next to at most one partial prompt chunk, which gets what is left
+        (and at least an eighth of the budget, so a prompt always advances).
+        """
+        budget = self.step_token_budget
+        rooted = [gen for gen in gens if gen.prefilled]
+        free = budget - len(rooted)
+        partial = None
+        for gen in gens:
+            if gen.prefilled:
+                continue
+            need = gen.root - gen.fed + 1
+            if partial is None and need <= free:
+                rooted.append(gen)
+                free -= need
+            elif partial is None:
+                partial = gen
+        chunks = sum(gen.root - gen.fed for gen in rooted)
+        capped = self.max_speculative_batch and len(gens) > self.max_speculative_batch
+        room = max(0, free if partial is None else int(free * DRAFT_SHARE_BESIDE_PROMPT))
+        drafts = []
+        for gen in list(rooted):
+            draft = Draft.root_only(gen.ids[-1])
+            if not capped and room:
+                try:
+                    draft = gen.retrieve(room + 1)
+                except Exception as error:  # this request fails; the others go on
+                    failed[id(gen)] = _failure(gen, error)
+                    rooted.remove(gen)
+                    continue
+            drafts.append(draft)
+        drafts = plan_step(
+            drafts,
+            [gen.calibration for gen in rooted],
+            [gen.config.adaptive for gen in rooted],
+            self.cost,
+            len(rooted) + chunks + room,
+            other_tokens=chunks,
+        )
+        works = []
+        for gen, draft in zip(rooted, drafts):
+            start = len(gen.ids) - 1 if gen.prefilled else gen.fed
+            chunk = gen.ids[gen.fed : gen.root] if not gen.prefilled else []
+            segment = Segment(self.pool.slot_of(gen), start, chunk, draft)
+            works.append(_Work(gen, segment, scoring=gen.scoring_prompt and bool(chunk)))
+        if partial is not None:
+            drafted = sum(len(draft) - 1 for draft in drafts)
+            size = max(free - drafted, budget // 8, 1)
+            chunk = partial.ids[partial.fed : min(partial.root, partial.fed + size)]
+            segment = Segment(self.pool.slot_of(partial), partial.fed, chunk, None)
+            works.append(_Work(partial, segment, scoring=partial.scoring_prompt))
+        return works
+
+    def _run(self, works: list[_Work]) -> dict[int, StepOutput]:
+        """The step's one forward, then each request's verdict and commit."""
+        started = time.perf_counter()
+        rows = self.forward_segments(works)
+        failed: dict[int, StepOutput] = {}
+        verdicts = {}
+        for work, logits in zip(works, rows):
+            gen, segment = work.gen, work.segment
+            gen.fed = segment.start + len(segment.prompt)  # entries held before the draft's root
+            if segment.draft is None:
+                continue
+            try:
+                verdicts[id(gen)] = verify(segment.draft, logits, gen.selector)
+            except Exception as error:
+                failed[id(gen)] = _failure(gen, error)
+        self.pool.compact(
+            [
+                move
+                for work in works
+                if id(work.gen) in verdicts
+                for move in accepted_moves(
+                    work.segment.slot, work.gen.fed, verdicts[id(work.gen)].accepted_nodes
+                )
+            ]
+        )
+        elapsed = time.perf_counter() - started
+        self.cost.observe(sum(work.segment.width for work in works), elapsed)
+        outputs = dict(failed)
+        for work, logits in zip(works, rows):
+            gen, segment = work.gen, work.segment
+            verdict = verdicts.get(id(gen))
+            if verdict is None:
+                continue
+            if not gen.stats.output_tokens:  # the draft after the prompt's last chunk
+                self._prompt_read(gen, segment)
+            else:
+                gen.stats.steps += 1
+                gen.stats.forward_seconds.append(elapsed)
+            gen.record_verdict(segment.draft, verdict)
+            chosen = logits[verdict.rows] if gen.cumulative_logprob is not None else None
+            outputs[id(gen)] = _isolated(
+                gen, lambda gen=gen, verdict=verdict, chosen=chosen: gen.commit(verdict.tokens, chosen)
+            )
+        return outputs
+
+    def _prompt_read(self, gen: Generation, segment: Segment) -> None:
+        """The prompt's last chunk was fed: keep its KV for later prompts sharing a prefix."""
+        gen.stats.prefill_seconds = time.perf_counter() - (gen.started or time.perf_counter())
+        length = gen.prompt_len  # the root's entry is the prompt's last one
+        if gen.scoring_prompt or not self.prefix_cache.capacity or length > self.prefix_cache.capacity:
+            return
+        if self.prefix_cache.holds(gen.ids[:length]):
+            return
+        self.prefix_cache.store(gen.ids[:length], *self.pool.prefix(segment.slot, length))
 
     def _fit_pool(self) -> None:
         """Give memory back: all of it when no request runs, the excess when over kv_cache_bytes."""
@@ -242,115 +405,85 @@ class LookaheadDecoder:
             held = [len(gen.ids) for gen in self.pool.owners if gen is not None]
             self.pool.shrink(max(held) + self.step_token_budget)
 
-    def _decode(self, gens: list[Generation]) -> list[StepOutput]:
-        """One forward for `gens`, which hold pool slots 0..k-1 in this order (see KVPool.arrange)."""
-        failed: dict[int, StepOutput] = {}
-        if len(gens) > self.max_speculative_batch:
-            drafts = [Draft.root_only(gen.ids[-1]) for gen in gens]
-        else:
-            # The step's budget caps every draft (see plan_step): build no node it would trim.
-            width = max(1, self.step_token_budget // len(gens))
-            drafts = []
-            for gen in gens:
-                try:
-                    drafts.append(gen.retrieve(width))
-                except Exception as error:  # this request fails; its row still runs, unread
-                    failed[id(gen)] = _failure(gen, error)
-                    drafts.append(Draft.root_only(gen.ids[-1]))
-        drafts = plan_step(
-            drafts,
-            [g.calibration for g in gens],
-            [g.config.adaptive for g in gens],
-            self.cost,
-            self.step_token_budget,
-        )
-        started = time.perf_counter()
-        lengths = [len(gen.ids) - 1 for gen in gens]
-        logits = self.forward_drafts(drafts, lengths)
-        verdicts = {}
-        for gen, draft, rows in zip(gens, drafts, logits):
-            if id(gen) not in failed:
-                try:
-                    verdicts[id(gen)] = verify(draft, rows, gen.selector)
-                except Exception as error:
-                    failed[id(gen)] = _failure(gen, error)
-        self.pool.compact(
-            [
-                move
-                for slot, (gen, length) in enumerate(zip(gens, lengths))
-                if id(gen) in verdicts
-                for move in accepted_moves(slot, length, verdicts[id(gen)].accepted_nodes)
-            ]
-        )
-        elapsed = time.perf_counter() - started
-        width = max(len(d) for d in drafts)
-        self.cost.observe(len(gens) * width, elapsed)
-        outputs = []
-        for gen, draft, rows in zip(gens, drafts, logits):
-            verdict = verdicts.get(id(gen))
-            if verdict is None:
-                outputs.append(failed[id(gen)])
-                continue
-            gen.stats.steps += 1
-            gen.record_verdict(draft, verdict)
-            gen.stats.forward_seconds.append(elapsed)
-            chosen = rows[verdict.rows] if gen.cumulative_logprob is not None else None
-            outputs.append(
-                _isolated(
-                    gen, lambda gen=gen, verdict=verdict, chosen=chosen: gen.commit(verdict.tokens, chosen)
-                )
-            )
-        return outputs
+    def forward_segments(self, works: list[_Work]) -> list[torch.Tensor | None]:
+        """Logits of each segment's draft rows [len(draft), vocab] (None for a chunk without one);
+        scored prompt chunks hand their rows' logits to their generation.
 
-    def forward_drafts(self, drafts: list[Draft], lengths: list[int]) -> list[torch.Tensor]:
-        """Logits [len(drafts[i]), vocab] of pool slot i's draft, fed after its lengths[i] cached entries.
-
-        Writes the drafts' KV entries but commits nothing, so the same call can be repeated.
+        Writes the segments' KV entries but commits nothing, so the same call can be repeated.
         """
-        k, width = len(drafts), max(len(d) for d in drafts)
+        segments = [work.segment for work in works]
+        if len(segments) > 1 and all(s.width == 1 and s.draft is not None for s in segments):
+            return self._forward_batched(works)
+        ids, positions, mask = ragged_inputs(segments, self.masks)
+        step = PoolStep.ragged(
+            [s.slot for s in segments], [s.start for s in segments], [s.width for s in segments]
+        )
+        inputs = {
+            "input_ids": ids.to(self.device),
+            "position_ids": positions.to(self.device),
+            "attention_mask": to_device(mask, self.device),
+            "cache": self.pool.step_cache(step, max(s.start for s in segments)),
+            "use_cache": True,
+        }
+        if self.head_of_hidden is None:
+            logits = self.model(**inputs).logits[0]
+            head: Callable[[torch.Tensor], torch.Tensor] = lambda rows: rows  # noqa: E731
+            hidden = logits
+        else:
+            hidden = self.inner(**inputs).last_hidden_state[0]
+            head = self.head_of_hidden
+        results: list[torch.Tensor | None] = []
+        offset = 0
+        for work in works:
+            segment = work.segment
+            chunk = len(segment.prompt)
+            if work.scoring:
+                for block in hidden[offset : offset + chunk].split(_SCORED_ROWS):
+                    work.gen.score_prompt(head(block))
+            if segment.draft is None:
+                results.append(None)
+            else:
+                results.append(hidden[offset + chunk : offset + segment.width])
+            offset += segment.width
+        drafted = [rows for rows in results if rows is not None]
+        if not drafted or self.head_of_hidden is None:
+            return results
+        logits = iter(head(torch.cat(drafted)).split([len(rows) for rows in drafted]))
+        return [next(logits) if rows is not None else None for rows in results]
+
+    def _forward_batched(self, works: list[_Work]) -> list[torch.Tensor | None]:
+        """Plain decoding of k requests as a [k, 1] block, their slots arranged to 0..k-1."""
+        gens = [work.gen for work in works]
+        arranged = self.pool.arrange(gens, max(len(gen.ids) for gen in gens))
+        order = {id(gen): i for i, gen in enumerate(arranged)}
+        for work in works:
+            work.segment.slot = order[id(work.gen)]
+        ordered = sorted(works, key=lambda work: work.segment.slot)
+        drafts = [work.segment.draft for work in ordered]
+        lengths = [work.segment.start for work in ordered]
         ids, positions, mask = decode_inputs(drafts, lengths, self.masks)
         inputs = {
             "input_ids": ids.to(self.device),
             "position_ids": positions.to(self.device),
             "attention_mask": to_device(mask, self.device),
-            "cache": self.pool.step_cache(lengths, width),
+            "cache": self.pool.step_cache(PoolStep.batched(lengths, 1, self.device), max(lengths)),
             "use_cache": True,
         }
-        sizes = [len(d) for d in drafts]
         if self.head_of_hidden is None:
-            logits = self.model(**inputs).logits
-            return [row[:n] for row, n in zip(logits, sizes)]
-        # The decoder's hidden states, then the output layer on the real rows only: padding rows'
-        # logits would never be read.
-        hidden = self.inner(**inputs).last_hidden_state
-        if sum(sizes) == k * width:
-            rows = hidden.reshape(k * width, hidden.shape[-1])
+            logits = self.model(**inputs).logits[:, 0]
         else:
-            rows = torch.cat([hidden[i, :n] for i, n in enumerate(sizes)])
-        return list(self.head_of_hidden(rows).split(sizes))
+            logits = self.head_of_hidden(self.inner(**inputs).last_hidden_state[:, 0])
+        by_gen = {id(work.gen): logits[i : i + 1] for i, work in enumerate(ordered)}
+        return [by_gen[id(work.gen)] for work in works]
 
-    def last_logits(
-        self, keep: int, *, on_earlier_logits: Callable[[torch.Tensor], None] | None = None, **inputs: Any
-    ) -> torch.Tensor:
-        """Logits [keep, vocab] of the last `keep` positions of a one-row forward (a prefill).
-
-        on_earlier_logits: called with the logits of the positions before them, in order, a block
-        of rows at a time (prompt logprobs), from the same forward.
-        """
-        if on_earlier_logits is None:
-            if self.head_of_hidden is None:
-                return self.model(**inputs, logits_to_keep=keep).logits[0]
-            hidden = self.inner(**inputs).last_hidden_state
-            return self.head_of_hidden(hidden[0, -keep:])
-        if self.head_of_hidden is None:
-            logits = self.model(**inputs, logits_to_keep=0).logits[0]
-            if len(logits) > keep:
-                on_earlier_logits(logits[:-keep])
-            return logits[-keep:]
-        hidden = self.inner(**inputs).last_hidden_state[0]
-        for block in hidden[:-keep].split(_SCORED_ROWS):
-            on_earlier_logits(self.head_of_hidden(block))
-        return self.head_of_hidden(hidden[-keep:])
+    def forward_drafts(self, drafts: list[Draft], lengths: list[int]) -> list[torch.Tensor]:
+        """Logits [len(drafts[i]), vocab] of pool slot i's draft, fed after its lengths[i] cached
+        entries, in one ragged forward (benchmarks and tests; the decoder plans its own steps)."""
+        works = [
+            _Work(self.pool.owners[slot], Segment(slot, length, [], draft))
+            for slot, (draft, length) in enumerate(zip(drafts, lengths))
+        ]
+        return self.forward_segments(works)
 
 
 def _isolated(gen: Generation, work: Callable[[], StepOutput]) -> StepOutput:
@@ -359,6 +492,15 @@ def _isolated(gen: Generation, work: Callable[[], StepOutput]) -> StepOutput:
         return work()
     except Exception as error:
         return _failure(gen, error)
+
+
+def _attempt(gen: Generation, work: Callable[[], None]) -> StepOutput | None:
+    """`work` for one generation; its exception becomes that generation's failed output."""
+    try:
+        work()
+    except Exception as error:
+        return _failure(gen, error)
+    return None
 
 
 def _failure(gen: Generation, error: Exception) -> StepOutput:

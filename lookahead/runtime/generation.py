@@ -1,35 +1,31 @@
 """One request's generation: its history, its sampler, its own trie and span index.
 
-The decoder (decoder.py) drives every running generation through the same four steps a
-Lookahead step has: `retrieve` a draft, the decoder's one forward, `record_verdict` on what the
-model accepted, `commit` the accepted tokens. A generation's first step is its `prefill`: the
-prompt (less what the decoder's prefix cache holds) and a draft of what follows it, in one forward.
+The decoder (decoder.py) owns every forward, the KV pool and the prefix cache; it drives each
+running generation through the steps a Lookahead step has: `retrieve` a draft, the decoder's
+one forward, `record_verdict` on what the model accepted, `commit` the accepted tokens. Until its
+prompt is fed (in chunks, beside the other requests' steps), a generation only counts how much
+of it the pool holds (`fed`).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
-from transformers import DynamicCache
 
 from ..algorithm.draft import Draft
-from ..algorithm.planner import Calibration, plan_step
+from ..algorithm.planner import Calibration
 from ..algorithm.retrieval import retrieve_draft
 from ..algorithm.spans import SpanIndex
 from ..algorithm.trie import NGramTrie, TrieWriter
-from ..algorithm.verify import Verdict, verify
+from ..algorithm.verify import Verdict
 from ..config import LookaheadConfig, SamplingParams
 from .detokenizer import Detokenizer
-from .kv_pool import accepted_moves
 from .logprobs import PositionLogprobs, token_logprobs
 from .sampling import TokenSelector
-from .step_inputs import prefill_inputs, to_device
-
-if TYPE_CHECKING:
-    from .decoder import LookaheadDecoder
 
 # A request's own acceptance history soon outweighs the decoder's shared one.
 REQUEST_CALIBRATION_RATE = 0.15
@@ -52,7 +48,7 @@ class GenerationStats:
     steps: int = 0  # decoding forwards after the prefill
     draft_tokens: int = 0  # draft tokens fed (roots excluded)
     accepted_draft_tokens: int = 0
-    prefill_seconds: float = 0.0
+    prefill_seconds: float = 0.0  # from the first step to the prompt's last chunk
     forward_seconds: list[float] = field(default_factory=list)
     retrieval_seconds: list[float] = field(default_factory=list)
 
@@ -66,18 +62,34 @@ class GenerationStats:
         return (self.output_tokens - 1) / self.steps if self.steps else 0.0
 
 
+@dataclass(frozen=True)
+class Shared:
+    """What a generation reads of the decoder serving it."""
+
+    tokenizer: Any
+    eos_token_ids: tuple[int, ...]
+    device: torch.device
+    trie: NGramTrie | None  # the instance's global trie
+    trie_depth: int
+    calibration: Calibration  # the decoder's, learned from every request
+    stop_words: frozenset[int]
+    debug_log: Callable[[str], None]
+    step: Callable[[Generation], StepOutput]  # one decoder step of this generation alone
+    release: Callable[[Generation], None]  # gives the generation's KV slot back
+
+
 class Generation:
-    """One request: prefill on its first step, then one (possibly speculative) forward per step."""
+    """One request: its prompt fed in chunks, then one (possibly speculative) forward per step."""
 
     def __init__(
         self,
-        decoder: LookaheadDecoder,
+        shared: Shared,
         prompt_ids: list[int],
         params: SamplingParams,
         config: LookaheadConfig,
         request_id: str = "",
     ):
-        self.decoder = decoder
+        self.shared = shared
         self.request_id = request_id  # names the request in the debug log
         self.params = params
         self.config = config
@@ -85,16 +97,19 @@ class Generation:
         self.prompt_len = len(prompt_ids)
         self.stats = GenerationStats(prompt_tokens=len(prompt_ids))
         self.finish_reason: str | None = None
-        self.in_pool = False  # holds a KV pool slot (prefilled and not yet finished)
-        eos = () if params.ignore_eos else decoder.eos_token_ids
+        # Prompt entries the KV pool holds (the last prompt token's comes with the first draft);
+        # None until the decoder gives the generation a slot.
+        self.fed: int | None = None
+        self.started: float | None = None
+        eos = () if params.ignore_eos else shared.eos_token_ids
         self.stop_tokens = frozenset(eos) | frozenset(params.stop_token_ids)  # tokens that end the output
-        shared = decoder.calibration
-        self.calibration = Calibration(shared.ratio, shared.side_ratio, rate=REQUEST_CALIBRATION_RATE)
+        common = shared.calibration
+        self.calibration = Calibration(common.ratio, common.side_ratio, rate=REQUEST_CALIBRATION_RATE)
         # min_tokens keeps EOS out even with ignore_eos, as vLLM does.
-        suppressed = (*decoder.eos_token_ids, *params.stop_token_ids)
-        self.selector = TokenSelector(params, prompt_ids, suppressed, decoder.device)
+        suppressed = (*shared.eos_token_ids, *params.stop_token_ids)
+        self.selector = TokenSelector(params, prompt_ids, suppressed, shared.device)
         self.detokenizer = Detokenizer(
-            decoder.tokenizer,
+            shared.tokenizer,
             prompt_ids,
             params.stop,
             include_stop=params.include_stop_str_in_output,
@@ -106,13 +121,13 @@ class Generation:
         self.local: NGramTrie | None = None
         self.spans: SpanIndex | None = None
         self.writers: list[TrieWriter] = []
-        self.stop_words = decoder.stop_word_ids(config.stop_words)
+        self.stop_words = shared.stop_words
         if config.drafting:
             # The output is learned once: by the shared trie when there is one. Counted in the
             # request's own trie as well, whatever the output has just copied from the prompt
             # would count twice there and outrank the prompt's own evidence.
-            learns_output = decoder.trie is None
-            depth = decoder.trie_depth
+            learns_output = shared.trie is None
+            depth = shared.trie_depth
             capacity = (self.prompt_len + (params.max_tokens if learns_output else 0)) * depth + 1
             self.local = NGramTrie(capacity=capacity, max_depth=depth)
             writer = self.local.writer()
@@ -120,9 +135,9 @@ class Generation:
             if learns_output:
                 self.writers.append(writer)
             self.spans = SpanIndex(prompt_ids)
-        if decoder.trie is not None:
+        if shared.trie is not None:
             # The shared trie learns outputs, keyed by the prompt's last tokens so that they can be queried.
-            self.writers.append(decoder.trie.writer())
+            self.writers.append(shared.trie.writer())
             self.writers[-1].feed(
                 prompt_ids[max(0, self.prompt_len - config.max_query_length + 1) :], self.stop_words
             )
@@ -135,62 +150,40 @@ class Generation:
     def output_ids(self) -> list[int]:
         return self.ids[self.prompt_len :]
 
+    @property
+    def in_pool(self) -> bool:
+        """Holds a KV pool slot (started and not yet finished)."""
+        return self.fed is not None
+
+    @property
+    def root(self) -> int:
+        """Position of the last prompt token: the first draft's root."""
+        return self.prompt_len - 1
+
+    @property
+    def prefilled(self) -> bool:
+        """The whole prompt but its last token is in the pool: the next step drafts."""
+        return self.fed is not None and self.fed >= self.root
+
+    @property
+    def scoring_prompt(self) -> bool:
+        """Prompt logprobs are asked for: every prompt position's logits are needed."""
+        return self.params.prompt_logprobs is not None
+
     def step(self) -> StepOutput:
         """Advance this generation alone (the engine batches through decoder.step)."""
-        return self.decoder.step([self])[0]
+        return self.shared.step(self)
 
     def close(self, reason: str = "cancelled") -> None:
         """Free the KV slot and the request's own trie (finished, cancelled, failed or abandoned)."""
-        if self.in_pool:
-            self.decoder.pool.release(self)
-            self.in_pool = False
+        if self.fed is not None:
+            self.shared.release(self)
+            self.fed = None
         self.local, self.spans, self.writers = None, None, []
         if self.finish_reason is None:
             self.finish_reason = reason
 
-    def prefill(self, drafting: bool) -> StepOutput:
-        """Feed the prompt, less any prefix the prefix cache holds, and in the same forward (when
-        `drafting`) a draft of what follows it.
-
-        Tokens accepted here need no decoding step. A draft token adds about as much to a
-        prefill as to a small decoding step, so the draft is trimmed as a step's would be.
-        """
-        started = time.perf_counter()
-        decoder = self.decoder
-        root = self.prompt_len - 1  # the prompt's last token is the draft's root
-        draft = Draft.root_only(self.ids[-1])
-        if drafting:
-            (draft,) = plan_step(
-                [self.retrieve(decoder.step_token_budget)],
-                [self.calibration],
-                [self.config.adaptive],
-                decoder.cost,
-                decoder.step_token_budget,
-            )
-        # Prompt logprobs need every prompt position's logits: a cached prefix would have none.
-        scoring = self.params.prompt_logprobs is not None
-        cached, cache = decoder.prefix_cache.lookup(self.ids) if not scoring else (0, DynamicCache())
-        inputs: dict[str, Any] = {"cache": cache, "use_cache": True}
-        if len(draft) > 1:
-            positions, mask = prefill_inputs(draft, root, cached, decoder.masks)
-            inputs["position_ids"] = positions[None].to(decoder.device)
-            inputs["attention_mask"] = to_device(mask, decoder.device)
-        ids = torch.tensor([self.ids[cached:root] + draft.tokens], device=decoder.device)
-        earlier = self._score_prompt if scoring else None
-        logits = decoder.last_logits(len(draft), on_earlier_logits=earlier, input_ids=ids, **inputs)
-        verdict = verify(draft, logits, self.selector)
-        decoder.prefix_cache.store(self.ids, cache)
-        self.stats.cached_prompt_tokens = cached
-        slot = decoder.pool.admit(self, cache)
-        self.in_pool = True
-        decoder.pool.compact(accepted_moves(slot, root, verdict.accepted_nodes))
-        self.record_verdict(draft, verdict)
-        self.stats.prefill_seconds = time.perf_counter() - started
-        return self.commit(
-            verdict.tokens, logits[verdict.rows] if self.cumulative_logprob is not None else None
-        )
-
-    def _score_prompt(self, logits: torch.Tensor) -> None:
+    def score_prompt(self, logits: torch.Tensor) -> None:
         """Logprobs of the prompt tokens after the rows of `logits`, the next ones of the prompt."""
         if self.prompt_logprobs is None:
             self.prompt_logprobs = [None]  # the first prompt token has nothing before it
@@ -200,7 +193,7 @@ class Generation:
         self.prompt_logprobs += token_logprobs(logits, tokens, self.params.prompt_logprobs, decode)
 
     def _decode_one(self, token: int) -> str:
-        return self.decoder.tokenizer.decode([token])
+        return self.shared.tokenizer.decode([token])
 
     def retrieve(self, max_width: int) -> Draft:
         """The draft this request would like to verify next, at most max_width nodes (the batch plan
@@ -213,7 +206,7 @@ class Generation:
         draft = retrieve_draft(
             self.ids[-self.config.max_query_length :],
             self.local,
-            self.decoder.trie,
+            self.shared.trie,
             decoding_length=min(self.config.decoding_length, max_width),
             branch_length=depth,
             mode=self.config.decoding_mode,
@@ -228,14 +221,14 @@ class Generation:
     def record_verdict(self, draft: Draft, verdict: Verdict) -> None:
         """Count the draft's fed and accepted tokens, and calibrate its probabilities against them."""
         if len(draft) > 1:
-            for calibration in (self.decoder.calibration, self.calibration):
+            for calibration in (self.shared.calibration, self.calibration):
                 calibration.observe(draft, verdict.accepted_nodes)
         self.stats.draft_tokens += len(draft) - 1
         self.stats.accepted_draft_tokens += len(verdict.accepted_nodes)
         if self.config.debug:
             origins = ", ".join(f"{name} {count}" for name, count in draft.origin_counts().items())
             step = f"step {self.stats.steps}" if self.stats.steps else "prefill"
-            self.decoder.debug_log(
+            self.shared.debug_log(
                 f"lookahead request {self.request_id or id(self)} {step}: draft "
                 f"{len(draft) - 1} tokens ({origins}), accepted {len(verdict.accepted_nodes)}"
             )

@@ -1,10 +1,11 @@
 """The KV cache of every running request in one preallocated buffer, one slot (row) per request.
 
-A decoding step feeds k requests at once: request i's q new tokens are written at
-[len_i, len_i + q) of its own slot and attention reads slots [0, k) up to the longest length,
-so one forward serves the whole batch with no per-step copying of anyone's cache. Slots are
-kept in step order (a swap when membership changes), grown by doubling, and compacted in place
-after verification: the accepted draft entries move right behind the request's prefix.
+A step writes each request's new entries into its own slot right behind what the slot holds,
+and attention reads them back from there, so one forward serves the whole batch with no
+per-step copying of anyone's cache. Two layouts (see PoolStep): a ragged row, each request's
+tokens one segment of it, and a batched block of k one-token rows (plain decoding of k
+requests), whose requests must sit in slots 0..k-1 (`arrange`). Slots grow by doubling and are
+compacted in place after verification: the accepted draft entries move right behind the prefix.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from transformers import DynamicCache
 from transformers.cache_utils import Cache, DynamicLayer
 
 _INITIAL_LENGTH = 256
@@ -21,34 +21,60 @@ _INITIAL_LENGTH = 256
 
 @dataclass(frozen=True)
 class PoolStep:
-    """Where one forward writes its new KV entries in the pool, and how far attention reads.
+    """Where one forward writes its new KV entries in the pool, and what attention reads.
 
-    One request (`slots` is None): its q new entries go to [start, start + q) of slot 0. A batch
-    of k requests: row i's entries go to [slots, :, positions] (both [k, q], slot i from its own
-    length on). Attention then reads slots [0, k) up to `read_length`. transformers' layers
-    apply it through `write_and_read`; the fast CPU path's C++ layer stack (lookahead/cpu)
-    applies the same object itself, and the tests hold the two to the same bits.
+    Ragged (`segments` [s, 3] of (slot, start, width), in feed order): the forward is one row of
+    tokens, segment i's `width` of them; their entries go to [start, start + width) of its slot
+    and it reads its slot up to there. The reads are laid side by side, so the attention mask is
+    block-diagonal (runtime/step_inputs.py); the fast CPU path's layers attend segment by
+    segment instead. Batched (`slots`, `positions` [k, q]): row i's entries go to [slots,
+    :, positions] and attention reads slots [0, k) up to `read_length`. transformers' layers apply
+    it through `write_and_read`; the fast CPU path's C++ layer stack (lookahead/cpu) applies the
+    same object itself, and the tests hold the two to the same bits.
     """
 
-    start: int
+    segments: torch.Tensor | None
     slots: torch.Tensor | None
     positions: torch.Tensor | None
     read_length: int
+
+    @classmethod
+    def ragged(cls, slots: Sequence[int], starts: Sequence[int], widths: Sequence[int]) -> PoolStep:
+        rows = torch.tensor([list(row) for row in zip(slots, starts, widths)], dtype=torch.long)
+        return cls(rows, None, None, max(s + w for s, w in zip(starts, widths)))
+
+    @classmethod
+    def batched(cls, starts: Sequence[int], width: int, device: torch.device) -> PoolStep:
+        """Rows 0..k-1 in slots 0..k-1, row i writing `width` entries from starts[i] on."""
+        first = torch.tensor(list(starts), device=device)[:, None]
+        slots = torch.arange(len(starts), device=device)[:, None].expand(-1, width)
+        return cls(None, slots, first + torch.arange(width, device=device), max(starts) + width)
+
+    def segment_rows(self) -> list[tuple[int, int, int]]:
+        """(slot, start, width) of each segment of a ragged step."""
+        return [tuple(row) for row in self.segments.tolist()]
 
     def write_and_read(
         self, keys_buffer: torch.Tensor, values_buffer: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Write one layer's new keys and values [k, kv_heads, q, head_dim] into its pool buffers
         [slots, kv_heads, capacity, head_dim]; return what attention reads."""
-        k = keys.shape[0]
-        if self.slots is None:
-            written = slice(self.start, self.start + keys.shape[2])
-            keys_buffer[0, :, written] = keys[0]
-            values_buffer[0, :, written] = values[0]
-        else:
+        if self.segments is None:
+            k = keys.shape[0]
             keys_buffer[self.slots, :, self.positions] = keys.transpose(1, 2)
             values_buffer[self.slots, :, self.positions] = values.transpose(1, 2)
-        return keys_buffer[:k, :, : self.read_length], values_buffer[:k, :, : self.read_length]
+            return keys_buffer[:k, :, : self.read_length], values_buffer[:k, :, : self.read_length]
+        read_keys, read_values = [], []
+        offset = 0
+        for slot, start, width in self.segment_rows():
+            keys_buffer[slot, :, start : start + width] = keys[0, :, offset : offset + width]
+            values_buffer[slot, :, start : start + width] = values[0, :, offset : offset + width]
+            read_keys.append(keys_buffer[slot : slot + 1, :, : start + width])
+            read_values.append(values_buffer[slot : slot + 1, :, : start + width])
+            offset += width
+        if len(read_keys) == 1:
+            return read_keys[0], read_values[0]
+        return torch.cat(read_keys, 2), torch.cat(read_values, 2)
 
 
 class _SlotLayer(DynamicLayer):
@@ -74,11 +100,30 @@ class StepCache(Cache):
 
     def __init__(self, pool: KVPool, step: PoolStep, past_length: int):
         self.pool, self.step, self.past_length = pool, step, past_length
+        self.twins: dict[type, object] = {}  # the step's C++ twin, built once per forward
         super().__init__(layers=[_SlotLayer(self, i) for i in range(len(pool.keys))])
+
+    def twin(self, step_type: type) -> object:
+        """The step as `step_type` (the fast CPU path's PoolStep), built once for all layers."""
+        if step_type not in self.twins:
+            step = self.step
+            self.twins[step_type] = step_type(step.segments, step.slots, step.positions, step.read_length)
+        return self.twins[step_type]
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """The shape of one position's entries in every layer: what the pool allocates."""
+
+    heads: list[int]  # KV heads per layer
+    head_dims: list[int]
+    dtype: torch.dtype
+    device: torch.device
 
 
 class KVPool:
-    def __init__(self) -> None:
+    def __init__(self, layout: KVLayout | None = None) -> None:
+        self.layout = layout  # set by the decoder before the first admit
         self.keys: list[torch.Tensor] = []  # per layer [slots, kv_heads, capacity, head_dim]
         self.values: list[torch.Tensor] = []
         self.owners: list[object | None] = []
@@ -114,24 +159,36 @@ class KVPool:
                 buffers[i] = old[:slots, :, :capacity].clone()
         del self.owners[slots:]
 
-    def admit(self, owner: object, cache: DynamicCache) -> int:
-        """Give `owner` a free slot holding the prefill KV in `cache`; return the slot."""
-        length = cache.get_seq_length()
+    def slot_of(self, owner: object) -> int:
+        return self.owners.index(owner)
+
+    def admit(
+        self, owner: object, keys: Sequence[torch.Tensor] = (), values: Sequence[torch.Tensor] = ()
+    ) -> int:
+        """Give `owner` a free slot, holding the entries of a cached prefix (per layer
+        [1, kv_heads, n, head_dim], or none); return the slot."""
+        length = keys[0].shape[2] if keys else 0
         if not self.keys:
-            self._allocate(cache, slots=1, capacity=max(_INITIAL_LENGTH, pow2(length)))
+            self._allocate(slots=1, capacity=max(_INITIAL_LENGTH, pow2(length)))
         slot = next((i for i, o in enumerate(self.owners) if o is None), None)
         if slot is None:
             slot = len(self.owners)
             self._resize(slots=slot + 1, capacity=self.capacity)
         self.reserve(length)
-        for layer, source in enumerate(cache.layers):
-            self.keys[layer][slot, :, :length] = source.keys[0]
-            self.values[layer][slot, :, :length] = source.values[0]
+        for layer, (source_keys, source_values) in enumerate(zip(keys, values)):
+            self.keys[layer][slot, :, :length] = source_keys[0]
+            self.values[layer][slot, :, :length] = source_values[0]
         self.owners[slot] = owner
         return slot
 
     def release(self, owner: object) -> None:
         self.owners[self.owners.index(owner)] = None
+
+    def prefix(self, slot: int, length: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Copies of the first `length` entries of a slot, per layer [1, kv_heads, length, head_dim]."""
+        keys = [layer[slot : slot + 1, :, :length].clone() for layer in self.keys]
+        values = [layer[slot : slot + 1, :, :length].clone() for layer in self.values]
+        return keys, values
 
     def arrange(self, owners: list[object], used: int) -> list[object]:
         """Put `owners` into slots 0..k-1 moving as few as possible; return them in slot order.
@@ -160,18 +217,10 @@ class KVPool:
         if length > self.capacity:
             self._resize(slots=len(self.owners), capacity=pow2(length))
 
-    def step_cache(self, lengths: list[int], q: int) -> StepCache:
-        """A cache for one forward of q tokens per slot 0..k-1, slot i writing at lengths[i]."""
-        read_length = max(lengths) + q
-        self.reserve(read_length)
-        if len(lengths) == 1:  # one request: a slice copy, a third of an index_put's overhead
-            step = PoolStep(lengths[0], None, None, read_length)
-        else:
-            device = self.keys[0].device
-            starts = torch.tensor(lengths, device=device)
-            slots = torch.arange(len(lengths), device=device)[:, None].expand(-1, q)
-            step = PoolStep(0, slots, starts[:, None] + torch.arange(q, device=device), read_length)
-        return StepCache(self, step, max(lengths))
+    def step_cache(self, step: PoolStep, past_length: int) -> StepCache:
+        """A cache for one forward that writes and reads as `step` says."""
+        self.reserve(step.read_length)
+        return StepCache(self, step, past_length)
 
     def compact(self, moves: list[tuple[int, int, int]]) -> None:
         """Copy entries (slot, source position, target position), all sources read before any write."""
@@ -182,11 +231,15 @@ class KVPool:
             for layer in buffers:
                 layer[slot, :, target] = layer[slot, :, source]
 
-    def _allocate(self, cache: DynamicCache, slots: int, capacity: int) -> None:
-        for source in cache.layers:
-            _, heads, _, dim = source.keys.shape
-            self.keys.append(source.keys.new_zeros(slots, heads, capacity, dim))
-            self.values.append(source.values.new_zeros(slots, heads, capacity, dim))
+    def _allocate(self, slots: int, capacity: int) -> None:
+        layout = self.layout
+        if layout is None:
+            raise RuntimeError("the pool's layout must be set before the first admit")
+        for heads, dim in zip(layout.heads, layout.head_dims):
+            for buffers in (self.keys, self.values):
+                buffers.append(
+                    torch.zeros(slots, heads, capacity, dim, dtype=layout.dtype, device=layout.device)
+                )
         self.owners = [None] * slots
 
     def _resize(self, slots: int, capacity: int) -> None:
@@ -199,11 +252,11 @@ class KVPool:
         self.owners += [None] * (slots - old_slots)
 
 
-def accepted_moves(slot: int, length: int, accepted_nodes: Sequence[int]) -> list[tuple[int, int, int]]:
-    """KV moves (slot, from, to) that put the accepted nodes of a draft fed after `length` cached
-    entries right behind them; none when they are the draft's first branch, already in place."""
+def accepted_moves(slot: int, root: int, accepted_nodes: Sequence[int]) -> list[tuple[int, int, int]]:
+    """KV moves (slot, from, to) that put the accepted nodes of a draft whose root sits at position
+    `root` right behind it; none when they are the draft's first branch, already in place."""
     return [
-        (slot, length + node, length + 1 + depth)
+        (slot, root + node, root + 1 + depth)
         for depth, node in enumerate(accepted_nodes)
         if node != depth + 1
     ]

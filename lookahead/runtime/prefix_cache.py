@@ -4,8 +4,7 @@ Chat requests share at least their template's system prompt (24 tokens for the d
 a quarter to a third of a short question), and a conversation's next turn repeats the whole
 previous one. A prefill is bound by arithmetic, so every token found here is one the model
 does not recompute. Entries are whole prompts, least recently used dropped first, within a
-bound on the KV positions held (a prefill's tensors also hold its draft's positions, and those
-count too); a lookup takes the longest common prefix with any of them.
+bound on the KV positions held; a lookup takes the longest common prefix with any of them.
 Logits over a cached prefix equal those over a recomputed one up to the attention kernel's
 summation order, which depends on how many rows it is fed (~1e-7 relative, as between a plain
 prefill and the decoder's own steps; tests/test_prefix_cache.py).
@@ -17,7 +16,6 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
-from transformers import DynamicCache
 
 
 @dataclass(frozen=True)
@@ -42,12 +40,12 @@ class PrefixCache:
         """KV positions held (the prompts' and whatever else their tensors hold)."""
         return self._held
 
-    def lookup(self, prompt: list[int]) -> tuple[int, DynamicCache]:
-        """(n, cache holding the KV of prompt[:n]) for the longest n found, at most len(prompt) - 1
-        (the last prompt token is always fed, for its logits); n = 0 and an empty cache on a miss."""
-        cache = DynamicCache()
+    def lookup(self, prompt: list[int]) -> tuple[int, list[torch.Tensor], list[torch.Tensor]]:
+        """(n, keys, values) of prompt[:n] for the longest n found (per layer [1, kv_heads, n,
+        head_dim]), at most len(prompt) - 1 (the last prompt token is always fed, for its
+        logits); n = 0 and no tensors on a miss."""
         if not self._entries or len(prompt) < 2:
-            return 0, cache
+            return 0, [], []
         query = torch.tensor(prompt[:-1])
         best, found = None, 0
         for key, entry in self._entries.items():
@@ -57,26 +55,27 @@ class PrefixCache:
             if common > found:
                 best, found = key, common
         if best is None:
-            return 0, cache
+            return 0, [], []
         self._entries.move_to_end(best)
         entry = self._entries[best]
-        for layer, (keys, values) in enumerate(zip(entry.keys, entry.values)):
-            cache.update(keys[:, :, :found], values[:, :, :found], layer)
-        return found, cache
+        return (
+            found,
+            [keys[:, :, :found] for keys in entry.keys],
+            [values[:, :, :found] for values in entry.values],
+        )
 
-    def store(self, prompt: list[int], cache: DynamicCache) -> None:
-        """Hold the KV of `prompt`, whose entries are the first len(prompt) of `cache` (not copied:
-        the caller must not write to it again)."""
+    def holds(self, prompt: list[int]) -> bool:
+        return tuple(prompt) in self._entries
+
+    def store(self, prompt: list[int], keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+        """Hold the KV of `prompt`: the first len(prompt) entries of keys and values (per layer
+        [1, kv_heads, >= len(prompt), head_dim]; not copied: the caller must not write to them)."""
         key = tuple(prompt)
-        held = cache.layers[0].keys.shape[-2] if cache.layers else 0
+        held = keys[0].shape[-2] if keys else 0
         if held > self.capacity or key in self._entries:
             return
         while self._held + held > self.capacity:
             _, dropped = self._entries.popitem(last=False)
             self._held -= dropped.keys[0].shape[-2]
-        self._entries[key] = _Entry(
-            torch.tensor(prompt),
-            [layer.keys for layer in cache.layers],
-            [layer.values for layer in cache.layers],
-        )
+        self._entries[key] = _Entry(torch.tensor(prompt), list(keys), list(values))
         self._held += held

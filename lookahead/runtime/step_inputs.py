@@ -1,10 +1,12 @@
 """The tensors of one forward: token ids, per-node positions and the additive tree mask(s).
 
-A decoding step feeds k requests as a [k, q] block, request i's root and draft in row i, padded
-to the widest draft: each node sees its request's committed prefix and its own ancestors (never
-its siblings, the padding or the other rows) and sits at position prefix + depth, so the model
-scores every branch as if it were a plain continuation. A prefill feeds the prompt causally, then
-the draft of what follows it with the same tree rule.
+A step feeds its requests as one ragged row: request i's segment is a chunk of its prompt fed
+causally and/or its root and draft tree, exactly as wide as it is (no padding). Each draft node
+sees its request's committed prefix, the chunk, and its own ancestors (never its siblings or
+other requests' tokens) and sits at position prefix + depth, so the model scores every branch as
+if it were a plain continuation. The mask is block-diagonal over the segments' reads laid side by
+side (kv_pool.PoolStep). A step of one-token segments only (plain batched decoding) is fed as a
+[k, 1] block instead (`decode_inputs`), which attention reads in one batched call.
 
 Models with a sliding attention window (Mistral's `sliding_window`, the "sliding_attention"
 layers of Gemma 2/3, Qwen 2/3 and others) see, in those layers, only the keys whose position is
@@ -15,6 +17,7 @@ type, keyed as the model's `layer_types` name them, when a model mixes windowed 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -103,13 +106,56 @@ def decode_inputs(
     return ids, positions, masks.build(visible, positions, key_positions)
 
 
-def prefill_inputs(draft: Draft, root: int, cached: int, masks: AttentionMasks) -> tuple[torch.Tensor, Mask]:
-    """Position ids [n] and additive mask(s) [1, 1, n, cached + n] of prompt tokens [cached, root)
-    fed after `cached` cached ones, then `draft` (its root is the prompt's last token): causal over
-    the prompt; each draft node sees the prompt and its own ancestors."""
-    n = len(draft)
-    visible = torch.ones(root + n, root + n, dtype=torch.bool).tril_()[cached:]
-    visible[root - cached :, root:] = draft.ancestor_mask()
-    positions = torch.cat([torch.arange(cached, root), draft.position_ids(root)])
-    key_positions = torch.cat([torch.arange(root), draft.position_ids(root)])
-    return positions, masks.build(visible[None], positions[None], key_positions[None])
+@dataclass
+class Segment:
+    """One request's tokens in a ragged step: `prompt` (a chunk of its prompt, fed causally) then
+    `draft` (root and tree), written into `slot` after its first `start` entries."""
+
+    slot: int
+    start: int
+    prompt: list[int]
+    draft: Draft | None  # None: a chunk that does not end the prompt
+
+    @property
+    def width(self) -> int:
+        return len(self.prompt) + (len(self.draft) if self.draft is not None else 0)
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + (self.draft.tokens if self.draft is not None else [])
+
+    def positions(self) -> torch.Tensor:
+        chunk = torch.arange(self.start, self.start + len(self.prompt))
+        if self.draft is None:
+            return chunk
+        return torch.cat([chunk, self.draft.position_ids(self.start + len(self.prompt))])
+
+    def visibility(self) -> torch.Tensor:
+        """[width, width] bool: which of the segment's own tokens each one sees (itself included)."""
+        n, p = self.width, len(self.prompt)
+        visible = torch.ones(n, n, dtype=torch.bool).tril_()
+        if self.draft is not None:
+            visible[p:, p:] = self.draft.ancestor_mask()
+        return visible
+
+
+def ragged_inputs(segments: list[Segment], masks: AttentionMasks) -> tuple[torch.Tensor, torch.Tensor, Mask]:
+    """(ids [1, N], position ids [1, N], additive mask(s) [1, 1, N, sum(start + width)]) of the
+    segments fed as one row; segment i reads its slot's first start + width entries, laid side
+    by side in segment order."""
+    widths = [segment.width for segment in segments]
+    reads = [segment.start + segment.width for segment in segments]
+    ids = torch.tensor([token for segment in segments for token in segment.tokens])
+    positions = [segment.positions() for segment in segments]
+    visible = torch.zeros(sum(widths), sum(reads), dtype=torch.bool)
+    row = column = 0
+    for segment, width, read, own in zip(segments, widths, reads, positions):
+        visible[row : row + width, column : column + segment.start] = True
+        visible[row : row + width, column + segment.start : column + read] = segment.visibility()
+        row, column = row + width, column + read
+    key_positions = torch.cat(
+        [torch.cat([torch.arange(segment.start), own]) for segment, own in zip(segments, positions)]
+    )
+    query_positions = torch.cat(positions)
+    mask = masks.build(visible[None], query_positions[None], key_positions[None])
+    return ids[None], query_positions[None], mask

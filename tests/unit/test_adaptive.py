@@ -105,14 +105,34 @@ def test_side_branches_are_calibrated_apart_from_the_first() -> None:
     assert Calibration(ratio=0.2, side_ratio=1.0).calibrated(tree)[4] == 0.2 * 0.9
 
 
-def test_batch_shares_one_width_and_the_budget() -> None:
+def test_the_budget_goes_node_by_node_to_the_requests_whose_drafts_pay() -> None:
     strong, weak = chain([0.95] * 6), chain([0.05] * 6)
     plan = plan_step([strong, weak], [Calibration()] * 2, [True] * 2, CostModel(GPU_PRIOR), token_budget=8)
-    assert [len(d) for d in plan] == [4, 4]  # 8 tokens for 2 requests: width 4 each
+    assert [len(d) for d in plan] == [7, 1]  # every node to the likely copy, none to the weak draft
+    plan = plan_step([strong, weak], [Calibration()] * 2, [True] * 2, CostModel(GPU_PRIOR), token_budget=5)
+    assert [len(d) for d in plan] == [4, 1]  # 2 roots and the 3 most likely nodes
     plan = plan_step(
         [strong] * 4, [Calibration()] * 4, [True] * 4, CostModel(STOCK_CPU_PRIOR), token_budget=4
     )
     assert [len(d) for d in plan] == [1] * 4  # budget of one token per request: plain decoding
+
+
+def test_nodes_go_where_they_are_most_likely_across_requests_and_trees_stay_connected() -> None:
+    a = Draft([1, 2, 3, 4], [-1, 0, 1, 0], [1.0, 0.9, 0.5, 0.3])
+    b = Draft([5, 6, 7], [-1, 0, 1], [1.0, 0.8, 0.7])
+    plan = plan_step([a, b], [Calibration()] * 2, [True] * 2, CostModel(GPU_PRIOR), token_budget=5)
+    assert plan[0].tokens == [1, 2] and plan[1].tokens == [5, 6, 7]  # 0.9, 0.8, 0.7 beat 0.5 and 0.3
+    for draft in plan:
+        assert all(0 <= p < i for i, p in enumerate(draft.parents[1:], start=1))
+
+
+def test_prompt_tokens_in_the_step_make_a_draft_cheaper_at_the_margin() -> None:
+    weak = chain([0.03, 0.02])
+    alone = plan_step([weak], [Calibration()], [True], CostModel(STOCK_CPU_PRIOR), token_budget=64)
+    beside = plan_step(
+        [weak], [Calibration()], [True], CostModel(STOCK_CPU_PRIOR), token_budget=64, other_tokens=40
+    )
+    assert len(alone[0]) == 1 and len(beside[0]) == 3
 
 
 def test_a_request_that_opted_out_of_adaptivity_keeps_its_draft() -> None:

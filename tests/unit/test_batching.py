@@ -58,6 +58,52 @@ def test_greedy_requests_joining_at_different_times_match_running_alone(
     assert all(owner is None for owner in decoder.pool.owners)
 
 
+@pytest.mark.parametrize("kernel", LINEAR_KERNELS)
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+def test_random_mixes_of_prompt_chunks_and_draft_widths_match_running_alone(
+    arch, kernel, tiny_model, byte_tokenizer
+) -> None:
+    """Long prompts read in chunks beside running requests whose drafts differ in width; requests
+    join and leave at random: every output is plain greedy decoding's."""
+    model = (
+        tiny_model(arch, linear_kernel=kernel, sliding_window=24)
+        if arch == "mistral"
+        else tiny_model(arch, linear_kernel=kernel)
+    )
+    rng = random.Random(f"{arch}-{kernel}")
+    requests = []
+    for i in range(7):
+        prompt = repetitive_prompt(rng, model.config.vocab_size) * rng.choice([1, 2, 6])
+        requests.append((prompt, SamplingParams(max_tokens=rng.randrange(4, 20)), rng.randrange(12)))
+    trie = NGramTrie(capacity=10_000, max_depth=9)
+    for prompt, params, _ in requests[::2]:  # likely drafts for some requests, none for the others
+        trie.insert(prompt[-3:] + plain_greedy(model, prompt, params.max_tokens)[:8])
+    config = LookaheadConfig(decoding_length=10, branch_length=6, adaptive=False)
+    decoder = LookaheadDecoder(model, byte_tokenizer, trie, config, step_token_budget=32)
+    outputs, batch_sizes = run_concurrently(decoder, requests)
+    assert max(batch_sizes) >= 3
+    for i, (prompt, params, _) in enumerate(requests):
+        assert outputs[i] == plain_greedy(model, prompt, params.max_tokens), f"request {i}"
+    assert all(owner is None for owner in decoder.pool.owners)
+
+
+def test_a_long_prompt_is_read_in_chunks_while_a_stream_goes_on(tiny_model, byte_tokenizer) -> None:
+    model = tiny_model("llama")
+    decoder = LookaheadDecoder(model, byte_tokenizer, step_token_budget=16)
+    plain = LookaheadConfig(use_lookahead=False)  # no drafts: every chunk is 15 tokens
+    running = decoder.start([5, 6, 7], SamplingParams(max_tokens=30, ignore_eos=True), plain)
+    decoder.step([running])
+    long = decoder.start(list(range(1, 200)), SamplingParams(max_tokens=4, ignore_eos=True))
+    steps = 0
+    while not long.output_ids:
+        outputs = decoder.step([running, long])
+        assert len(outputs[0].token_ids) >= 1  # the stream emits at every step the prompt is read in
+        steps += 1
+    assert steps == -(-198 // 15)  # 15 prompt tokens a step beside the stream's root
+    assert long.stats.prefill_seconds > 0
+    assert running.output_ids == plain_greedy(model, [5, 6, 7], 30)[: len(running.output_ids)]
+
+
 def test_seeded_sampling_in_a_batch_matches_sampling_alone(tiny_model, byte_tokenizer) -> None:
     model = tiny_model("llama")
     rng = random.Random(3)
@@ -88,7 +134,7 @@ def test_plain_and_speculative_requests_share_a_batch(tiny_model, byte_tokenizer
     assert drafted.stats.accepted_draft_tokens > 0 and drafted.stats.steps < 15
 
 
-def test_speculation_is_switched_off_above_the_batch_threshold(tiny_model, byte_tokenizer) -> None:
+def test_the_optional_cap_switches_speculation_off_above_a_batch_size(tiny_model, byte_tokenizer) -> None:
     model = tiny_model("llama")
     prompt = [7, 8, 9, 10, 7, 8]
     trie = NGramTrie(capacity=1000, max_depth=9)
@@ -98,12 +144,12 @@ def test_speculation_is_switched_off_above_the_batch_threshold(tiny_model, byte_
     )
     alone = decoder.start(prompt, SamplingParams(max_tokens=10))
     decoder.step([alone])
-    assert alone.stats.draft_tokens > 0  # a prefill of its own carries a draft
+    assert alone.stats.draft_tokens > 0  # the prompt's last chunk carries a draft
     alone.close()
     gens = [decoder.start(prompt, SamplingParams(max_tokens=10)) for _ in range(3)]
     while not all(g.finished for g in gens):
         decoder.step([g for g in gens if not g.finished])
-    # no draft is fed in a batched step or in a prefill joining one, nor retrieved only to be dropped
+    # no draft is fed in a step above the cap, nor retrieved only to be dropped
     assert [(g.stats.draft_tokens, len(g.stats.retrieval_seconds)) for g in gens] == [(0, 0)] * 3
     assert all(g.stats.steps > 0 for g in gens)
     assert all(g.output_ids == plain_greedy(model, prompt, 10) for g in gens)

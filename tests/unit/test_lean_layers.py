@@ -100,25 +100,31 @@ def test_a_lean_llama_hands_other_calls_to_transformers(extension: Any) -> None:
     assert torch.equal(plain.logits, with_hidden.logits)
 
 
-@pytest.mark.parametrize("batched", [False, True])
-def test_the_pool_step_writes_and_reads_the_same_in_python_and_cpp(batched: bool, extension: Any) -> None:
+@pytest.mark.parametrize("layout", ["one segment", "ragged", "batched"])
+def test_the_pool_step_writes_and_reads_the_same_in_python_and_cpp(layout: str, extension: Any) -> None:
     generator = torch.Generator().manual_seed(1)
     buffers = [torch.randn(3, 2, 16, 4, generator=generator) for _ in range(2)]
-    rows, q = (2, 3) if batched else (1, 3)
-    keys, values = (torch.randn(rows, 2, q, 4, generator=generator) for _ in range(2))
-    if batched:
-        positions = torch.tensor([[4], [9]]) + torch.arange(q)
-        step = PoolStep(0, torch.arange(rows)[:, None].expand(-1, q), positions, 12)
+    if layout == "batched":
+        rows, q = 2, 3
+        step = PoolStep.batched([4, 9], q, torch.device("cpu"))
+    elif layout == "ragged":
+        rows, q = 1, 7
+        step = PoolStep.ragged([2, 0, 1], [5, 9, 0], [3, 1, 3])
     else:
-        step = PoolStep(5, None, None, 8)
+        rows, q = 1, 3
+        step = PoolStep.ragged([1], [5], [3])
+    keys, values = (torch.randn(rows, 2, q, 4, generator=generator) for _ in range(2))
     python_buffers = [b.clone() for b in buffers]
     cpp_buffers = [b.clone() for b in buffers]
     python_reads = step.write_and_read(*python_buffers, keys, values)
-    twin = extension.PoolStep(step.start, step.slots, step.positions, step.read_length)
+    twin = extension.PoolStep(step.segments, step.slots, step.positions, step.read_length)
     cpp_reads = twin.write_and_read(*cpp_buffers, keys, values)
     for python, cpp in zip([*python_buffers, *python_reads], [*cpp_buffers, *cpp_reads]):
         assert torch.equal(python, cpp)
     assert not torch.equal(python_buffers[0], buffers[0])  # something was written
+    if layout == "ragged":  # each segment reads its own slot up to its end, side by side
+        assert python_reads[0].shape == (1, 2, 8 + 10 + 3, 4)
+        assert torch.equal(python_reads[0][0, :, 8 + 9], keys[0, :, 3])
 
 
 def test_a_step_on_the_kv_pool_runs_every_layer_in_one_call_with_the_same_bits(

@@ -15,10 +15,19 @@ from lookahead.runtime.prefix_cache import PrefixCache
 from tests.helpers import LINEAR_KERNELS, TINY_ARCHITECTURES, plain_greedy
 
 
-def prefilled(model: Any, prompt: list[int]) -> DynamicCache:
+def prefilled(model: Any, prompt: list[int]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Every layer's keys and values of a plain prefill of `prompt`."""
     cache = DynamicCache()
     with torch.inference_mode():
         model(input_ids=torch.tensor([prompt]), cache=cache, use_cache=True)
+    return [layer.keys for layer in cache.layers], [layer.values for layer in cache.layers]
+
+
+def as_cache(found: int, keys: list[torch.Tensor], values: list[torch.Tensor]) -> DynamicCache:
+    cache = DynamicCache()
+    for layer, (k, v) in enumerate(zip(keys, values)):
+        assert k.shape[2] == v.shape[2] == found
+        cache.update(k, v, layer)
     return cache
 
 
@@ -43,8 +52,9 @@ def test_a_cached_prefix_gives_the_logits_of_a_full_prefill(arch: str, kernel: s
     shared = [rng.randrange(256) for _ in range(40)]
     first, second = shared + [1, 2, 3], shared + [rng.randrange(256) for _ in range(25)]
     cache = PrefixCache(capacity=1000)
-    cache.store(first, prefilled(model, first))
-    found, prefix = cache.lookup(second)
+    cache.store(first, *prefilled(model, first))
+    found, *entries = cache.lookup(second)
+    prefix = as_cache(found, *entries)
     assert found == len(shared) and prefix.get_seq_length() == len(shared)
     assert_same_logits(last_logits(model, second[found:], prefix), last_logits(model, second))
 
@@ -54,8 +64,9 @@ def test_the_real_model_reuses_its_chat_system_prompt(default_model) -> None:
     first = apply_chat_template(tokenizer, "Write a haiku about rain.")
     second = apply_chat_template(tokenizer, "What is 17 times 23?")
     cache = PrefixCache(capacity=1000)
-    cache.store(first, prefilled(model, first))
-    found, prefix = cache.lookup(second)
+    cache.store(first, *prefilled(model, first))
+    found, *entries = cache.lookup(second)
+    prefix = as_cache(found, *entries)
     assert found >= 20  # the template's system prompt and the user turn's opening
     assert_same_logits(last_logits(model, second[found:], prefix), last_logits(model, second))
 
@@ -64,8 +75,8 @@ def test_lookup_takes_the_longest_prefix_but_always_leaves_the_last_token(tiny_m
     model = tiny_model("llama")
     cache = PrefixCache(capacity=1000)
     assert cache.lookup([1, 2, 3])[0] == 0
-    cache.store([1, 2, 3, 4, 5], prefilled(model, [1, 2, 3, 4, 5]))
-    cache.store([1, 2, 9, 9], prefilled(model, [1, 2, 9, 9]))
+    cache.store([1, 2, 3, 4, 5], *prefilled(model, [1, 2, 3, 4, 5]))
+    cache.store([1, 2, 9, 9], *prefilled(model, [1, 2, 9, 9]))
     assert cache.lookup([1, 2, 3, 4, 7])[0] == 4
     assert cache.lookup([1, 2, 9, 9])[0] == 3  # the whole prompt is cached, its last token is fed again
     assert cache.lookup([1, 2, 3, 4, 5, 6])[0] == 5
@@ -78,13 +89,13 @@ def test_the_token_bound_holds_and_the_least_recently_used_prompt_goes_first(tin
     cache = PrefixCache(capacity=10)
     a, b, c = [1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12]
     for prompt in (a, b):
-        cache.store(prompt, prefilled(model, prompt))
+        cache.store(prompt, *prefilled(model, prompt))
     assert cache.lookup(a + [0])[0] == 4  # a is now the most recently used
-    cache.store(c, prefilled(model, c))
+    cache.store(c, *prefilled(model, c))
     assert cache.tokens == 8 <= cache.capacity
     assert cache.lookup(b + [0])[0] == 0
     assert cache.lookup(a + [0])[0] == 4 and cache.lookup(c + [0])[0] == 4
-    cache.store(list(range(20, 31)), prefilled(model, list(range(20, 31))))  # longer than the bound
+    cache.store(list(range(20, 31)), *prefilled(model, list(range(20, 31))))  # longer than the bound
     assert cache.tokens == 8
     with pytest.raises(ValueError, match="capacity"):
         PrefixCache(capacity=-1)
@@ -111,13 +122,13 @@ def test_the_decoder_prefills_only_what_is_not_cached_and_stays_lossless(
         assert cached == [0, 0, 0] and decoder.prefix_cache.tokens == 0
 
 
-def test_the_bound_counts_every_position_an_entry_holds_draft_ones_included(tiny_model) -> None:
+def test_the_bound_counts_every_position_an_entry_holds(tiny_model) -> None:
     model = tiny_model("llama")
     cache = PrefixCache(capacity=10)
     prompt = [1, 2, 3, 4]
-    held = prefilled(model, prompt + [5, 6, 7])  # a prefill's cache also holds its draft's 3 positions
-    cache.store(prompt, held)
+    held = prefilled(model, prompt + [5, 6, 7])  # tensors holding 3 positions past the prompt
+    cache.store(prompt, *held)
     assert cache.tokens == 7
-    cache.store([8, 9, 10, 11], prefilled(model, [8, 9, 10, 11]))
+    cache.store([8, 9, 10, 11], *prefilled(model, [8, 9, 10, 11]))
     assert cache.tokens == 4 <= cache.capacity  # 7 + 4 would not fit: the first entry went
     assert cache.lookup(prompt + [0])[0] == 0

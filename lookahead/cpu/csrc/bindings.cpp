@@ -46,11 +46,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
                               inner, scaling};
            }))
       .def("before_attention", &LeanLayer::before_attention, ReleaseGil())
-      .def("after_attention", &LeanLayer::after_attention, ReleaseGil());
+      .def("after_attention", &LeanLayer::after_attention, ReleaseGil())
+      .def("attend_pool", &LeanLayer::attend_pool, ReleaseGil())
+      .def("finish", &LeanLayer::finish, ReleaseGil());
   pybind11::class_<PoolStep>(module, "PoolStep", pybind11::module_local())
-      .def(pybind11::init([](int64_t start, std::optional<torch::Tensor> slots, std::optional<torch::Tensor> positions,
-                             int64_t read_length) { return PoolStep{start, slots, positions, read_length}; }),
-           pybind11::arg("start"), pybind11::arg("slots"), pybind11::arg("positions"), pybind11::arg("read_length"))
+      .def(pybind11::init([](std::optional<torch::Tensor> segments, std::optional<torch::Tensor> slots,
+                             std::optional<torch::Tensor> positions, int64_t read_length) {
+             return PoolStep{segments, slots, positions, read_length};
+           }),
+           pybind11::arg("segments"), pybind11::arg("slots"), pybind11::arg("positions"), pybind11::arg("read_length"))
       .def("write_and_read", &PoolStep::write_and_read, ReleaseGil());
   pybind11::class_<LeanStack>(module, "LeanStack", pybind11::module_local())
       .def(pybind11::init([](std::vector<LeanLayer> layers) { return LeanStack{std::move(layers)}; }))

@@ -7,6 +7,7 @@
 // LeanStack runs the whole layer loop, cache writes included, here.
 #pragma once
 
+#include <array>
 #include <optional>
 #include <tuple>
 #include <utility>
@@ -21,6 +22,8 @@ struct RmsNorm {
 
   torch::Tensor operator()(const torch::Tensor& x) const;
 };
+
+struct PoolStep;
 
 struct LeanLayer {
   PackedMatrix qkv, o, gate_up, down;  // q/k/v and gate/up fused
@@ -40,24 +43,41 @@ struct LeanLayer {
   torch::Tensor after_attention(const torch::Tensor& hidden, const torch::Tensor& queries, const torch::Tensor& keys,
                                 const torch::Tensor& values, const std::optional<torch::Tensor>& mask,
                                 bool causal) const;
+
+  // Attention alone: queries [B, heads, L, D] over keys and values -> rows [B * L, heads * D].
+  torch::Tensor attend(const torch::Tensor& queries, const torch::Tensor& keys, const torch::Tensor& values,
+                       const std::optional<torch::Tensor>& mask, bool causal) const;
+
+  // The new entries written into this layer's pool buffers as `step` says, then attention over
+  // what each query may read: rows [B * L, heads * D]. A ragged step attends segment by segment,
+  // each over its own slot only.
+  torch::Tensor attend_pool(const torch::Tensor& queries, const torch::Tensor& keys, const torch::Tensor& values,
+                            const torch::Tensor& mask, const torch::Tensor& key_buffer,
+                            const torch::Tensor& value_buffer, const PoolStep& step) const;
+
+  // The output projection of attended rows, the MLP and both residuals: the layer's output [B, L, W].
+  torch::Tensor finish(const torch::Tensor& hidden, const torch::Tensor& attended) const;
 };
 
 // Where one forward writes its new KV entries in the decoder's pool (lookahead/runtime/kv_pool.py)
 // and how far attention reads: the C++ twin of Python's PoolStep, with the same write_and_read.
-// One request (`slots` undefined): its L new entries go to positions [start, start + L) of slot 0.
-// A batch of B: row b's entries go to [slots, :, positions] (both [B, L]). Attention reads slots
-// 0..B-1 up to read_length.
+// Ragged (`segments` [S, 3] of (slot, start, width)): one row of tokens, segment s's `width`
+// entries go to [start, start + width) of its slot, and it reads its own slot up to there.
+// Batched (`slots` and `positions` [B, L]): row b's entries go to [slots, :, positions];
+// attention reads slots 0..B-1 up to read_length.
 struct PoolStep {
-  int64_t start;
-  std::optional<torch::Tensor> slots, positions;
+  std::optional<torch::Tensor> segments, slots, positions;
   int64_t read_length;
 
   // keys and values [B, kv_heads, L, head_dim] into one layer's buffers [slots, kv_heads, capacity,
-  // head_dim]; returns the entries attention reads.
+  // head_dim]; returns the entries attention reads (a ragged step's segments side by side).
   std::pair<torch::Tensor, torch::Tensor> write_and_read(const torch::Tensor& key_buffer,
                                                          const torch::Tensor& value_buffer,
                                                          const torch::Tensor& keys,
                                                          const torch::Tensor& values) const;
+
+  // A ragged step's segments as (slot, start, width) rows.
+  std::vector<std::array<int64_t, 3>> segment_rows() const;
 };
 
 // Every decoder layer of a model, for a forward whose KV cache is the decoder's pool: the loop
@@ -66,7 +86,7 @@ struct PoolStep {
 struct LeanStack {
   std::vector<LeanLayer> layers;
 
-  // keys[i], values[i]: layer i's pool buffers; the B rows of `hidden` are slots 0..B-1.
+  // keys[i], values[i]: layer i's pool buffers; `step` says where each row of `hidden` writes and reads.
   torch::Tensor forward(torch::Tensor hidden, const torch::Tensor& cos, const torch::Tensor& sin,
                         const torch::Tensor& mask, const std::vector<torch::Tensor>& keys,
                         const std::vector<torch::Tensor>& values, const PoolStep& step) const;
