@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -38,6 +39,7 @@ import numpy as np
 
 from backend.config import STATE_DIR_ENV
 from backend.launcher import TritonServerError, free_port, start_server
+from client.ab_repository import SHARED_CACHE_ENV
 from lookahead.benchmarks.prompt_sets import PROMPT_SET_NAMES, load_prompt_set
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -330,7 +332,10 @@ def server_url(args: argparse.Namespace) -> Iterator[str]:
         grpc_port=free_port(),
         metrics_port=free_port(),
         log_file=args.out / "server.log",
-        extra_env={STATE_DIR_ENV: str(state.resolve())},
+        extra_env={
+            STATE_DIR_ENV: str(state.resolve()),
+            **{name: value for name, value in SHARED_CACHE_ENV.items() if name not in os.environ},
+        },
         ready_timeout_s=SERVER_READY_TIMEOUT_S,
     ) as server:
         yield server.grpc_url

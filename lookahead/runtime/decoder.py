@@ -291,11 +291,14 @@ class LookaheadDecoder:
         Running requests' roots come first; then, first come first served, prompts that fit whole
         (their last token becomes a root); then the drafts of every root, node by node where
         they pay (plan_step), next to at most one partial prompt chunk, which gets what is left
-        (and at least an eighth of the budget, so a prompt always advances).
+        (and at least an eighth of the budget, so a prompt always advances). With no running
+        request to stall, the first prompt is read whole.
         """
         budget = self.step_token_budget
         rooted = [gen for gen in gens if gen.prefilled]
         free = budget - len(rooted)
+        if not rooted and gens:  # no stream waits on this step: the first prompt goes whole
+            free = max(free, gens[0].root - gens[0].fed + budget)
         partial = None
         for gen in gens:
             if gen.prefilled:
@@ -476,12 +479,16 @@ class LookaheadDecoder:
         by_gen = {id(work.gen): logits[i : i + 1] for i, work in enumerate(ordered)}
         return [by_gen[id(work.gen)] for work in works]
 
-    def forward_drafts(self, drafts: list[Draft], lengths: list[int]) -> list[torch.Tensor]:
-        """Logits [len(drafts[i]), vocab] of pool slot i's draft, fed after its lengths[i] cached
-        entries, in one ragged forward (benchmarks and tests; the decoder plans its own steps)."""
+    def forward_drafts(
+        self, drafts: list[Draft], lengths: list[int], slots: Sequence[int] | None = None
+    ) -> list[torch.Tensor]:
+        """Logits [len(drafts[i]), vocab] of the draft of pool slot slots[i] (default i), fed after
+        its lengths[i] cached entries, in one forward (benchmarks and tests; the decoder plans
+        its own steps)."""
+        slots = range(len(drafts)) if slots is None else slots
         works = [
             _Work(self.pool.owners[slot], Segment(slot, length, [], draft))
-            for slot, (draft, length) in enumerate(zip(drafts, lengths))
+            for slot, draft, length in zip(slots, drafts, lengths)
         ]
         return self.forward_segments(works)
 

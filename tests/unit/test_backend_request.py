@@ -410,7 +410,7 @@ def test_requests_are_stepped_together_so_a_short_one_finishes_first():
     assert finals == [short, long]
 
 
-def test_a_new_request_is_prefilled_before_the_running_ones_step():
+def test_a_new_request_reads_its_prompt_in_the_running_ones_step():
     engine, decoder, recorder = run_engine({"l": steps(*"abcdefgh"), "n": steps("x", "y")})
     original_emit = engine.emit
 
@@ -424,12 +424,12 @@ def test_a_new_request_is_prefilled_before_the_running_ones_step():
     engine.start()
     recorder.wait_finals(2)
     engine.stop()
-    joined = decoder.batches.index(["n"])  # the newcomer's prefill runs alone ...
-    assert decoder.batches[joined + 1] == ["l"]  # ... before the running request's next step
-    assert ["l", "n"] in decoder.batches[joined + 1 :]  # then they step together
+    joined = next(i for i, batch in enumerate(decoder.batches) if "n" in batch)
+    assert decoder.batches[joined] == ["l", "n"]  # no step of its own: the stream never waits for it
+    assert all(batch == ["l"] for batch in decoder.batches[:joined])
 
 
-def test_requests_arriving_together_each_get_their_first_token_right_after_their_own_prefill():
+def test_requests_arriving_together_share_their_first_step():
     engine, decoder, recorder = run_engine({"a": steps("x", "y"), "b": steps("u", "v")})
     events: list[tuple[str, ...]] = []
     original_step, original_emit = decoder.step, engine.emit
@@ -448,7 +448,7 @@ def test_requests_arriving_together_each_get_their_first_token_right_after_their
     engine.start()
     recorder.wait_finals(2)
     engine.stop()
-    assert events[:5] == [("step", "a"), ("emit", "x"), ("step", "b"), ("emit", "u"), ("step", "a", "b")]
+    assert events[:4] == [("step", "a", "b"), ("emit", "x"), ("emit", "u"), ("step", "a", "b")]
 
 
 def test_a_cancelled_request_stops_within_one_step_and_gets_one_cancelled_final():
@@ -533,8 +533,8 @@ def test_at_most_max_running_requests_run_and_the_rest_start_in_arrival_order():
     engine.start()
     recorder.wait_finals(3)
     engine.stop()
-    # c starts only once b has left, and then before a's next step (a new request is prefilled first)
-    assert decoder.batches == [["a"], ["b"], ["a", "b"], ["c"], ["a"]]
+    # c starts only once b has left, in a's next step
+    assert decoder.batches == [["a", "b"], ["a", "b"], ["a", "c"]]
 
 
 def test_a_request_waits_while_the_kv_bound_cannot_hold_it_too():

@@ -102,6 +102,10 @@ def test_a_long_prompt_is_read_in_chunks_while_a_stream_goes_on(tiny_model, byte
     assert steps == -(-198 // 15)  # 15 prompt tokens a step beside the stream's root
     assert long.stats.prefill_seconds > 0
     assert running.output_ids == plain_greedy(model, [5, 6, 7], 30)[: len(running.output_ids)]
+    alone = decoder.start(list(range(1, 200)), SamplingParams(max_tokens=4, ignore_eos=True))
+    running.close()
+    long.close()
+    assert decoder.step([alone])[0].token_ids  # no stream to stall: the prompt is read whole
 
 
 def test_seeded_sampling_in_a_batch_matches_sampling_alone(tiny_model, byte_tokenizer) -> None:
@@ -156,23 +160,34 @@ def test_the_optional_cap_switches_speculation_off_above_a_batch_size(tiny_model
 
 
 @pytest.mark.parametrize("kernel", LINEAR_KERNELS)
-def test_padding_rows_skip_the_output_layer_and_no_logit_changes(kernel, tiny_model, byte_tokenizer) -> None:
+def test_a_segment_gives_the_same_logits_whatever_shares_its_forward(
+    kernel, tiny_model, byte_tokenizer
+) -> None:
     decoder = LookaheadDecoder(tiny_model("llama", linear_kernel=kernel), byte_tokenizer)
     assert decoder.head_of_hidden is not None
     gens = [
-        decoder.start(prompt, SamplingParams(max_tokens=8)) for prompt in ([5, 6, 7], [9, 10, 11, 12, 13])
+        decoder.start(prompt, SamplingParams(max_tokens=8))
+        for prompt in ([5, 6, 7], [9, 10, 11, 12, 13], [40, 41, 42, 43, 44, 45, 46])
     ]
-    decoder.step(gens)  # prefill: slots 0 and 1
-    drafts = [Draft([gens[0].ids[-1], 1, 2, 3], [-1, 0, 1, 1]), Draft.root_only(gens[1].ids[-1])]
+    decoder.step(gens)  # every prompt read: slots 0, 1 and 2
+    drafts = [
+        Draft([gens[0].ids[-1], 1, 2, 3], [-1, 0, 1, 1]),
+        Draft.root_only(gens[1].ids[-1]),
+        Draft([gens[2].ids[-1], 4, 5], [-1, 0, 1]),
+    ]
     lengths = [len(gen.ids) - 1 for gen in gens]
     with torch.inference_mode():
-        ragged = decoder.forward_drafts(drafts, lengths)
-        decoder.head_of_hidden = None  # the model's own forward: logits for the padding rows too
-        padded = decoder.forward_drafts(drafts, lengths)
-    assert [rows.shape[0] for rows in ragged] == [4, 1]
-    exact = kernel == "packed"  # the packed kernel's rows do not depend on how many share a call
-    for mine, theirs in zip(ragged, padded):
+        together = decoder.forward_drafts(drafts, lengths)
+        alone = [decoder.forward_drafts([drafts[i]], [lengths[i]], slots=[i])[0] for i in range(3)]
+        decoder.head_of_hidden = None  # the model's own output layer over every row
+        whole = decoder.forward_drafts(drafts, lengths)
+    assert [rows.shape[0] for rows in together] == [4, 1, 3]
+    # the packed kernel's rows and the lean layers' per-segment attention do not depend on what
+    # else a forward holds; transformers' layers read the segments side by side (summation order)
+    exact = kernel != "stock"
+    for mine, theirs, full in zip(together, alone, whole):
         torch.testing.assert_close(mine, theirs, rtol=0 if exact else 1e-5, atol=0 if exact else 1e-5)
+        torch.testing.assert_close(mine, full, rtol=0 if exact else 1e-5, atol=0 if exact else 1e-5)
 
 
 class _Log:
