@@ -82,7 +82,7 @@ def start_frontend(
     log_file: Path | None = None,
     tokenizer: str | None = None,
     env: dict[str, str] | None = None,
-    ready_timeout_s: float = 120.0,
+    ready_timeout_s: float = 300.0,
 ) -> Frontend:
     """Start `python -m frontend` for the tritonserver at grpc_url and wait until it answers
     /health (which needs that server ready); its output goes to log_file, else to ours."""

@@ -256,6 +256,16 @@ def _generated_tokens(server: TritonServer) -> float:
     return sum(float(value) for value in re.findall(pattern, text, flags=re.MULTILINE))
 
 
+def _settled_tokens(server: TritonServer) -> float:
+    """The counter once earlier requests' updates have landed (metrics are applied asynchronously)."""
+    value = _generated_tokens(server)
+    while True:
+        time.sleep(1.0)
+        value, previous = _generated_tokens(server), value
+        if value == previous:
+            return value
+
+
 def _wait_for_change(server: TritonServer, before: float, timeout_s: float = 240) -> float:
     deadline = time.monotonic() + timeout_s
     while (after := _generated_tokens(server)) == before:
@@ -271,14 +281,14 @@ def test_a_client_that_goes_away_cancels_the_request(server, client):
         "max_tokens": 1000,
         "extra_body": {"ignore_eos": True},
     }
-    before = _generated_tokens(server)
+    before = _settled_tokens(server)
     stream = client.chat.completions.create(stream=True, **long)
     for _, _chunk in zip(range(3), stream):
         pass
     stream.close()
     assert _wait_for_change(server, before) < 1000
 
-    before = _generated_tokens(server)
+    before = _settled_tokens(server)
     with pytest.raises(openai.APITimeoutError):
         client.with_options(timeout=3).chat.completions.create(**long)
     assert _wait_for_change(server, before) < 1000
