@@ -12,7 +12,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager, suppress
+from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
@@ -47,14 +47,19 @@ class Disconnect:
             pass
 
     async def race(self, awaitable: Any) -> Any:
+        """The awaitable's result; ClientGone once the client left first. Either way, or when the
+        caller is cancelled (Starlette cancels a stream whose client left), an unfinished awaitable
+        is cancelled, which cancels the Triton request where it awaits a response."""
         work = asyncio.ensure_future(awaitable)
-        await asyncio.wait({work, self.waiter}, return_when=asyncio.FIRST_COMPLETED)
-        if work.done():
-            return work.result()
-        work.cancel()  # cancels the Triton request where it is awaited
-        with suppress(asyncio.CancelledError, APIError):
-            await work
-        raise ClientGone
+        try:
+            await asyncio.wait({work, self.waiter}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not work.done():
+                work.cancel()
+                await asyncio.wait({work})
+        if work.cancelled():
+            raise ClientGone
+        return work.result()
 
     def close(self) -> None:
         self.waiter.cancel()
