@@ -119,23 +119,23 @@ def test_chat_messages_reach_the_template_as_text():
     ],
 )
 def test_a_refusal_names_the_field(schema, body, param, words):
-    error = refusal(schema, {"model": "m", "messages": USER, **body} if schema is ChatCompletionRequest else {
-        "model": "m", **body
-    })  # fmt: skip
+    base = {"model": "m", "messages": USER} if schema is ChatCompletionRequest else {"model": "m"}
+    error = refusal(schema, {**base, **body})
     assert error.status == 400 and error.kind == "invalid_request_error"
     assert (error.param or "").startswith(param) and words in error.message
     assert error.body()["error"]["message"] == error.message
 
 
 def test_vllm_logprobs_become_the_chosen_token_and_the_top_ones_by_rank():
+    def entry(logprob: float, rank: int, token: str) -> dict:
+        return {"logprob": logprob, "rank": rank, "decoded_token": token}
+
     raw = json.dumps(
         [
-            {"7": {"logprob": -3.0, "rank": 5, "decoded_token": "x"}, "1": {"logprob": -0.1, "rank": 1,
-             "decoded_token": "a"}, "2": {"logprob": -0.5, "rank": 2, "decoded_token": "b"}},
-            {"1": {"logprob": -0.2, "rank": 1, "decoded_token": "a"}, "3": {"logprob": -2.0, "rank": 2,
-             "decoded_token": "c"}},
+            {"7": entry(-3.0, 5, "x"), "1": entry(-0.1, 1, "a"), "2": entry(-0.5, 2, "b")},
+            {"1": entry(-0.2, 1, "a"), "3": entry(-2.0, 2, "c")},
         ]
-    )  # fmt: skip
+    )
     first, second = token_logprobs(raw, top=2)
     assert (first.token, first.logprob, first.top) == ("x", -3.0, [("a", -0.1), ("b", -0.5)])
     assert (second.token, second.logprob, second.top) == ("a", -0.2, [("a", -0.2), ("c", -2.0)])
