@@ -7,7 +7,10 @@
 # in model_repository/*/config.pbtxt, and the instance_group kind to KIND_GPU (see the comments there).
 # Trie snapshots are written under /opt/lookahead/.state: mount a volume there to keep them.
 #
-# Triton's OpenAI-compatible frontend instead of tritonserver (port 9000; the model follows the
+# This project's OpenAI-compatible endpoint beside tritonserver (port 9000):
+#   docker run --rm --shm-size 1g -p 9000:9000 lookahead-triton \
+#     python3 -m backend.launcher --model-repository /opt/lookahead/model_repository --openai-port 9000
+# Triton's own OpenAI-compatible frontend instead of tritonserver (port 9000; the model follows the
 # vLLM backend's contract, hence --backend vllm; the tokenizer is the served model's own folder):
 #   docker run --rm --shm-size 1g -p 9000:9000 lookahead-triton \
 #     python3 /opt/tritonserver/python/openai/openai_frontend/main.py \
@@ -31,6 +34,7 @@ RUN pip install /opt/tritonserver/python/tritonserver-*.whl \
 
 COPY lookahead ./lookahead
 COPY backend ./backend
+COPY frontend ./frontend
 COPY model_repository ./model_repository
 
 # Convert the embedded default model once, at build time, so the server starts in seconds; on a
@@ -40,5 +44,5 @@ RUN (command -v g++ >/dev/null || (apt-get update && apt-get install -y --no-ins
       && rm -rf /var/lib/apt/lists/*)) \
  && python3 -m lookahead prepare
 
-EXPOSE 8000 8001 8002
+EXPOSE 8000 8001 8002 9000
 CMD ["tritonserver", "--model-repository=/opt/lookahead/model_repository"]

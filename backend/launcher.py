@@ -11,6 +11,7 @@ reaches the stub through the environment's site-packages (scripts/bootstrap.sh i
 
     python -m backend.launcher --model-repository model_repository --http-port 8000
     python -m backend.launcher --model qwen2.5-coder-0.5b-instruct   # every model serves the Qwen model
+    python -m backend.launcher --openai-port 9000   # and the OpenAI-compatible endpoint (frontend/)
 
 `--model` (or $LOOKAHEAD_MODEL) replaces the `model` parameter of every model in the repository:
 an embedded model is prepared here first (installed and converted once, progress on the
@@ -37,6 +38,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType, TracebackType
+
+from frontend.process import Frontend, FrontendError, start_frontend
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 MODEL_ENV = "LOOKAHEAD_MODEL"  # read by backend/config.py in every model instance
@@ -342,6 +345,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         type=Path,
         help="appended to (default: .cache/logs/tritonserver-<http port>.log, rewritten)",
     )
+    parser.add_argument(
+        "--openai-port",
+        type=int,
+        default=0,
+        help="also serve the OpenAI-compatible endpoint (python -m frontend) on this port; 0: off",
+    )
     parser.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for readiness")
     parser.add_argument(
         "--model",
@@ -353,6 +362,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     split = argv.index("--") if "--" in argv else len(argv)
     args, extra = parser.parse_args(argv[:split]), argv[split + 1 :]
     extra_env = {}
+    if args.openai_port:
+        try:
+            _refuse_busy_ports({"openai-port": args.openai_port})
+        except TritonServerError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
     if args.model:
         try:
             extra_env[MODEL_ENV] = model_override(args.model)
@@ -369,6 +384,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     follower.start()
 
     server: TritonServer | None = None
+    openai: Frontend | None = None
     stopping = False
 
     def forward(signum: int, frame: FrameType | None) -> None:
@@ -376,7 +392,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         stopping = True
         if server is not None and server.process.poll() is None:
             server.process.send_signal(signum)
-        elif server is None:
+        if server is None or (args.openai_port and openai is None):
             raise KeyboardInterrupt  # still starting: abort the readiness wait, which stops it
 
     signal.signal(signal.SIGINT, forward)
@@ -392,19 +408,29 @@ def main(argv: Sequence[str] | None = None) -> int:
             extra_env=extra_env,
             ready_timeout_s=args.ready_timeout,
         )
+        if args.openai_port:
+            openai = start_frontend(server.grpc_url, args.openai_port, env={**os.environ, **extra_env})
+        endpoint = f"  OpenAI {openai.url}" if openai else ""
         print(
             f"\ntritonserver ready: HTTP {server.http_url}  gRPC {server.grpc_url}  "
-            f"metrics {server.metrics_url}\nlog: {log_path}   stop with Ctrl-C\n",
+            f"metrics {server.metrics_url}{endpoint}\nlog: {log_path}   stop with Ctrl-C\n",
             flush=True,
         )
         code = server.process.wait()
     except KeyboardInterrupt:
+        if server is not None:
+            server.stop()
         code = 130
-    except TritonServerError as err:
+    except (TritonServerError, FrontendError) as err:
+        if server is not None:
+            server.stop()
         stop_following.set()
         follower.join()
         print(f"error: {err}", file=sys.stderr)
         return 1
+    finally:
+        if openai is not None:
+            openai.stop()
     stop_following.set()
     follower.join()
     return 0 if stopping and code in (0, -signal.SIGTERM, -signal.SIGINT) else code

@@ -2,15 +2,18 @@
 output tokens/s side by side.
 
 genai-perf 0.0.16 (its own environment, .venv-genai-perf, made by scripts/bootstrap.sh) drives
-each model at each concurrency with `--endpoint-type kserve --backend vllm --streaming`: synthetic
-prompts of --input-tokens tokens, exactly --output-tokens tokens generated (it sends min_tokens =
-max_tokens, so EOS cannot end a request early and both models do equal work). Its tokenizer is the
-served model's own converted folder, so nothing reaches for a model hub. genai-perf runs
-`perf_analyzer` from the PATH: a one-line script in --out that execs scripts/perf_analyzer.sh.
+each model at each concurrency, streaming, through Triton's gRPC (`--endpoint-type kserve --backend
+vllm`) or through the OpenAI-compatible endpoint (`--endpoint-type chat`, frontend/): synthetic
+prompts of --input-tokens tokens, exactly --output-tokens tokens generated (min_tokens = max_tokens
+and, for chat, ignore_eos, so EOS cannot end a request early and both models do equal work). Its
+tokenizer is the served model's own converted folder, so nothing reaches for a model hub.
+genai-perf runs `perf_analyzer` from the PATH: a one-line script in --out that execs
+scripts/perf_analyzer.sh.
 
     python -m client.genai_perf                     # against a server on localhost:8001
     python -m client.genai_perf --start-server      # start one on free ports for the run
     python -m client.genai_perf --quick --start-server
+    python -m client.genai_perf --endpoint-type chat --start-server   # tritonserver + the OpenAI endpoint
 
 Writes genai_perf.md (the table), genai_perf.csv, genai_perf.png and genai-perf's own artifacts
 (one folder per model and concurrency) into --out.
@@ -24,12 +27,14 @@ import os
 import re
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from backend.launcher import TritonServerError
+from backend.launcher import TritonServerError, free_port
+from frontend.process import FrontendError, start_frontend
 
 from .load_test import MODELS, REPO_ROOT, LoadTestError, parse_concurrency, server_url, write_csv
 
@@ -126,15 +131,17 @@ def genai_perf_command(
     args: argparse.Namespace,
     out: Path,
 ) -> list[str]:
+    if args.endpoint_type == "chat":  # min_tokens rides along in the body, as vLLM's OpenAI server takes it
+        endpoint = ["--endpoint-type", "chat", "--extra-inputs", f"min_tokens:{args.output_tokens}"]
+        endpoint += ["--extra-inputs", "ignore_eos:true"]
+    else:
+        endpoint = ["--endpoint-type", "kserve", "--backend", "vllm", "--output-tokens-mean-deterministic"]
     return [
         str(genai_perf),
         "profile",
         "-m",
         model,
-        "--endpoint-type",
-        "kserve",
-        "--backend",
-        "vllm",
+        *endpoint,
         "--streaming",
         "-u",
         url,
@@ -146,7 +153,6 @@ def genai_perf_command(
         "0",
         "--output-tokens-mean",
         str(args.output_tokens),
-        "--output-tokens-mean-deterministic",
         "--concurrency",
         str(concurrency),
         "--request-count",
@@ -177,7 +183,7 @@ def run_point(args: argparse.Namespace, model: str, url: str, concurrency: int, 
     if finished.returncode != 0:
         tail = "\n".join((finished.stdout + finished.stderr).splitlines()[-15:])
         raise LoadTestError(f"genai-perf exited with {finished.returncode} (log {log}):\n{tail}")
-    try:  # genai-perf writes into <artifact dir>/<model>-triton-vllm-concurrency<N>/
+    try:  # genai-perf writes into <artifact dir>/<model>-<service kind>-<backend>-concurrency<N>/
         summary = next(out.rglob("profile_export_genai_perf.json"))
         export = json.loads(summary.read_text(encoding="utf-8"))
         raw = json.loads((summary.parent / "profile_export.json").read_text(encoding="utf-8"))
@@ -189,6 +195,24 @@ def run_point(args: argparse.Namespace, model: str, url: str, concurrency: int, 
             f"{model} at concurrency {concurrency}: {failed} requests got no response (log {log})"
         )
     return summarize(model, concurrency, export)
+
+
+@contextmanager
+def endpoint_url(args: argparse.Namespace) -> Iterator[str]:
+    """The URL genai-perf loads: Triton's gRPC port, or the OpenAI endpoint's host:port (the given
+    one, or one started beside the run's tritonserver)."""
+    if args.endpoint_type == "kserve":
+        with server_url(args) as url:
+            yield url
+        return
+    if not args.start_server:
+        yield args.openai_url
+        return
+    with server_url(args) as grpc_url:
+        port = free_port()
+        print(f"starting the OpenAI endpoint on port {port} (log {args.out / 'openai.log'})", flush=True)
+        with start_frontend(grpc_url, port, log_file=args.out / "openai.log"):
+            yield f"localhost:{port}"
 
 
 def format_table(points: Sequence[GenaiPerfPoint]) -> str:
@@ -241,7 +265,20 @@ def plot(points: Sequence[GenaiPerfPoint], path: Path, title: str) -> None:
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--url", default="localhost:8001", help="gRPC host:port of a running server")
-    parser.add_argument("--start-server", action="store_true", help="start tritonserver for the run")
+    parser.add_argument(
+        "--endpoint-type",
+        choices=("kserve", "chat"),
+        default="kserve",
+        help="kserve: Triton's gRPC streaming; chat: the OpenAI-compatible endpoint's /v1/chat/completions",
+    )
+    parser.add_argument(
+        "--openai-url", default="localhost:9000", help="host:port of a running OpenAI endpoint (chat)"
+    )
+    parser.add_argument(
+        "--start-server",
+        action="store_true",
+        help="start tritonserver (and, for chat, the endpoint) for the run",
+    )
     parser.add_argument(
         "--warm-trie", action="store_true", help="with --start-server: keep the trie of the last run in --out"
     )
@@ -276,19 +313,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     shim = perf_analyzer_shim(args.out / "bin", args.perf_analyzer)
     points: list[GenaiPerfPoint] = []
     try:
-        with server_url(args) as url:
+        with endpoint_url(args) as url:
             for level, concurrency in enumerate(args.concurrency):
                 # the first model alternates between levels, as in the load test
                 for model in args.models if level % 2 == 0 else args.models[::-1]:
                     points.append(run_point(args, model, url, concurrency, shim))
-    except (LoadTestError, TritonServerError, FileNotFoundError) as error:
+    except (LoadTestError, TritonServerError, FrontendError, FileNotFoundError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
     points.sort(key=lambda point: (args.models.index(point.model), point.concurrency))
     table = format_table(points)
     print(table)
+    endpoint = "OpenAI chat" if args.endpoint_type == "chat" else "kserve/vllm"
     title = (
-        f"genai-perf 0.0.16, kserve/vllm streaming, {args.input_tokens} prompt tokens, "
+        f"genai-perf 0.0.16, {endpoint} streaming, {args.input_tokens} prompt tokens, "
         f"{args.output_tokens} output tokens per request"
     )
     (args.out / "genai_perf.md").write_text(f"# {title}\n\n{table}\n", encoding="utf-8")

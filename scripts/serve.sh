@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
 # Serve model_repository/ with tritonserver after preparing the environment (scripts/bootstrap.sh).
 #
-#   scripts/serve.sh                                   # HTTP 8000, gRPC 8001, metrics 8002
+#   scripts/serve.sh                                   # HTTP 8000, gRPC 8001, metrics 8002, OpenAI 9000
 #   scripts/serve.sh --model qwen2.5-coder-0.5b-instruct       # every model on an embedded model
 #   LOOKAHEAD_MODEL=path/to/hf-folder scripts/serve.sh         # ... or on a local folder
-#   TRITON_HTTP_PORT=9000 scripts/serve.sh --grpc-port 9001 -- --log-verbose=1
+#   TRITON_HTTP_PORT=8080 scripts/serve.sh --grpc-port 8081 --openai-port 0 -- --log-verbose=1
 #
-# Ports come from TRITON_HTTP_PORT / TRITON_GRPC_PORT / TRITON_METRICS_PORT or the flags (flags
-# win); MODEL_REPOSITORY picks another repository; --model (or LOOKAHEAD_MODEL) replaces every
-# model's `model` parameter, a relative folder read from the current directory; arguments after
-# -- go to tritonserver.
+# Ports come from TRITON_HTTP_PORT / TRITON_GRPC_PORT / TRITON_METRICS_PORT / TRITON_OPENAI_PORT
+# or the flags (flags win; --openai-port 0 turns the OpenAI-compatible endpoint off);
+# MODEL_REPOSITORY picks another repository; --model (or LOOKAHEAD_MODEL) replaces every model's
+# `model` parameter, a relative folder read from the current directory; arguments after -- go to
+# tritonserver.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bash "$root/scripts/bootstrap.sh"
@@ -19,4 +20,5 @@ exec "$root/.venv/bin/python" -m backend.launcher \
     --http-port "${TRITON_HTTP_PORT:-8000}" \
     --grpc-port "${TRITON_GRPC_PORT:-8001}" \
     --metrics-port "${TRITON_METRICS_PORT:-8002}" \
+    --openai-port "${TRITON_OPENAI_PORT:-9000}" \
     "$@"

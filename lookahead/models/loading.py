@@ -171,6 +171,16 @@ def _check_architecture(folder: Path) -> None:
         )
 
 
+def load_tokenizer(name_or_path: str) -> Any:
+    """The tokenizer of a model (an embedded name or a folder) without its weights: for a process
+    that formats and counts text for a server that holds the model."""
+    path = resolve_model_path(name_or_path)
+    tokenizer = load_chatglm_tokenizer(path) if is_chatglm_folder(path) else _auto_tokenizer(path)
+    if tokenizer is None:
+        raise FileNotFoundError(f"model folder {path} has no tokenizer")
+    return tokenizer
+
+
 def _auto_tokenizer(folder: Path) -> Any | None:
     """The folder's Hugging Face tokenizer, or None when it has no tokenizer files."""
     if not any((folder / file).is_file() for file in _TOKENIZER_FILES):

@@ -1,0 +1,326 @@
+"""The OpenAI routes: `/v1/models`, `/v1/chat/completions`, `/v1/completions`, `/health`.
+
+A completion is one Triton request. Its first response is awaited before anything is sent, so a
+refused request gets an error status (400 naming the field) even when streaming; a client that
+goes away cancels the Triton request (the disconnect is raced against every response awaited).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ValidationError
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from .errors import APIError, from_validation, invalid
+from .models import ServedModels
+from .protocol import ChatCompletionRequest, CompletionRequest
+from .triton import Piece, TokenLogprob, Triton, inputs
+
+Body = TypeVar("Body", bound=BaseModel)
+OWNER = "lookahead"
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected: nobody reads a response any more."""
+
+
+class Disconnect:
+    """Races awaits against the client's disconnect (the request's body is already read)."""
+
+    def __init__(self, request: Request):
+        self.waiter = asyncio.ensure_future(self._wait(request))
+
+    @staticmethod
+    async def _wait(request: Request) -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    async def race(self, awaitable: Any) -> Any:
+        """The awaitable's result; ClientGone once the client left first. Either way, or when the
+        caller is cancelled (Starlette cancels a stream whose client left), an unfinished awaitable
+        is cancelled, which cancels the Triton request where it awaits a response."""
+        work = asyncio.ensure_future(awaitable)
+        try:
+            await asyncio.wait({work, self.waiter}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not work.done():
+                work.cancel()
+                await asyncio.wait({work})
+        if work.cancelled():
+            raise ClientGone
+        return work.result()
+
+    def close(self) -> None:
+        self.waiter.cancel()
+
+
+class Usage:
+    """Token counts as the server reports them: the prompt's, and each response's new tokens."""
+
+    def __init__(self) -> None:
+        self.prompt_tokens = 0
+        self.completion_tokens = 0
+
+    def add(self, piece: Piece) -> None:
+        if piece.prompt_tokens is not None:
+            self.prompt_tokens = piece.prompt_tokens
+        self.completion_tokens += piece.output_tokens
+
+    def json(self) -> dict[str, int]:
+        total = self.prompt_tokens + self.completion_tokens
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": total,
+        }
+
+
+class ChatFormat:
+    """chat.completion objects and their chunks."""
+
+    id_prefix, whole, chunk = "chatcmpl", "chat.completion", "chat.completion.chunk"
+
+    def __init__(self) -> None:
+        self.started = False
+
+    def choice(self, text: str, logprobs: list[TokenLogprob] | None, finish_reason: str | None) -> dict:
+        return {
+            "index": 0,
+            "message": {"role": "assistant", "content": text},
+            "logprobs": self.logprobs(logprobs),
+            "finish_reason": finish_reason,
+        }
+
+    def delta(self, text: str, logprobs: list[TokenLogprob] | None, finish_reason: str | None) -> dict:
+        delta = {"content": text} if text or not self.started else {}
+        if not self.started:
+            delta["role"], self.started = "assistant", True
+        return {
+            "index": 0,
+            "delta": delta,
+            "logprobs": self.logprobs(logprobs),
+            "finish_reason": finish_reason,
+        }
+
+    @staticmethod
+    def logprobs(tokens: list[TokenLogprob] | None) -> dict | None:
+        if tokens is None:
+            return None
+
+        def entry(token: str, logprob: float) -> dict:
+            return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+
+        content = [
+            {**entry(t.token, t.logprob), "top_logprobs": [entry(token, lp) for token, lp in t.top]}
+            for t in tokens
+        ]
+        return {"content": content, "refusal": None}
+
+
+class TextFormat:
+    """text_completion objects (whole and chunks); logprobs with offsets into the whole text."""
+
+    id_prefix, whole, chunk = "cmpl", "text_completion", "text_completion"
+
+    def __init__(self, offset: int = 0) -> None:
+        self.offset = offset  # where the next token's text starts in the returned text
+
+    def choice(self, text: str, logprobs: list[TokenLogprob] | None, finish_reason: str | None) -> dict:
+        return {"index": 0, "text": text, "logprobs": self.logprobs(logprobs), "finish_reason": finish_reason}
+
+    delta = choice
+
+    def logprobs(self, tokens: list[TokenLogprob] | None) -> dict | None:
+        if tokens is None:
+            return None
+        offsets = []
+        for token in tokens:
+            offsets.append(self.offset)
+            self.offset += len(token.token)
+        return {
+            "tokens": [t.token for t in tokens],
+            "token_logprobs": [t.logprob for t in tokens],
+            "top_logprobs": [dict(t.top) for t in tokens],
+            "text_offset": offsets,
+        }
+
+
+async def parse(request: Request, schema: type[Body]) -> Body:
+    try:
+        body = await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise invalid(f"the body is not valid JSON: {error}") from None
+    if not isinstance(body, dict):
+        raise invalid("the body must be a JSON object")
+    try:
+        return schema.model_validate(body)
+    except ValidationError as error:
+        raise from_validation(error) from None
+
+
+async def chat_completions(request: Request) -> Response:
+    body = await parse(request, ChatCompletionRequest)
+    models: ServedModels = request.app.state.models
+    await models.require(body.model)
+    prompt = await models.chat_prompt(body.model, [m.template_message() for m in body.messages])
+    return await complete(request, body, prompt, ChatFormat(), top_logprobs=body.top_logprobs or 0)
+
+
+async def completions(request: Request) -> Response:
+    body = await parse(request, CompletionRequest)
+    await request.app.state.models.require(body.model)
+    echo = body.text if body.echo else ""
+    return await complete(
+        request, body, body.text, TextFormat(len(echo)), top_logprobs=body.logprobs or 0, echo=echo
+    )
+
+
+async def complete(
+    request: Request,
+    body: ChatCompletionRequest | CompletionRequest,
+    prompt: str,
+    form: ChatFormat | TextFormat,
+    *,
+    top_logprobs: int,
+    echo: str = "",
+) -> Response:
+    """One Triton request for `prompt`, answered whole or as server-sent events."""
+    request_id = f"{form.id_prefix}-{uuid.uuid4().hex}"
+    tensors = inputs(prompt, body.sampling_parameters(), stream=body.stream, logprobs=body.wants_logprobs)
+    triton: Triton = request.app.state.triton
+    pieces = triton.generate(body.model, tensors, request_id, top_logprobs)
+    header = {"id": request_id, "created": int(time.time()), "model": body.model}
+    disconnect = Disconnect(request)
+    try:
+        first = await disconnect.race(anext(pieces))
+        if body.stream:
+            events = stream(pieces, first, disconnect, header, form, echo, body.include_usage)
+            return StreamingResponse(events, media_type="text/event-stream")
+        usage, text, logprobs, piece = Usage(), echo, [], first
+        while True:
+            usage.add(piece)
+            text += piece.text
+            logprobs += piece.logprobs or []
+            if piece.final:
+                break
+            piece = await disconnect.race(anext(pieces))
+    except ClientGone:
+        return Response(status_code=499)  # nobody reads it
+    except BaseException:
+        disconnect.close()
+        await pieces.aclose()
+        raise
+    disconnect.close()
+    choice = form.choice(text, logprobs if body.wants_logprobs else None, piece.finish_reason or "stop")
+    return JSONResponse({**header, "object": form.whole, "choices": [choice], "usage": usage.json()})
+
+
+async def stream(
+    pieces: AsyncIterator[Piece],
+    piece: Piece,
+    disconnect: Disconnect,
+    header: dict[str, Any],
+    form: ChatFormat | TextFormat,
+    echo: str,
+    include_usage: bool,
+) -> AsyncIterator[str]:
+    """Server-sent events: a chunk per response with new text, the finish reason on the last one,
+    then (stream_options.include_usage) the usage, then [DONE]."""
+    usage = Usage()
+    extra = {"usage": None} if include_usage else {}
+
+    def event(choices: list[dict], **fields: Any) -> str:
+        return (
+            f"data: {json.dumps({**header, 'object': form.chunk, 'choices': choices, **extra, **fields})}\n\n"
+        )
+
+    try:
+        text = echo
+        while True:
+            usage.add(piece)
+            text += piece.text
+            finish = (piece.finish_reason or "stop") if piece.final else None
+            if text or piece.logprobs or finish or (isinstance(form, ChatFormat) and not form.started):
+                yield event([form.delta(text, piece.logprobs, finish)])
+            if piece.final:
+                break
+            text = ""
+            piece = await disconnect.race(anext(pieces))
+        if include_usage:
+            yield event([], usage=usage.json())
+    except ClientGone:
+        return
+    except APIError as error:  # after the first response: the status is sent, so say it in the stream
+        yield f"data: {json.dumps(error.body())}\n\n"
+    finally:
+        disconnect.close()
+        await pieces.aclose()
+    yield "data: [DONE]\n\n"
+
+
+async def list_models(request: Request) -> JSONResponse:
+    names = await request.app.state.models.names()
+    created = request.app.state.created
+    data = [{"id": name, "object": "model", "created": created, "owned_by": OWNER} for name in names]
+    return JSONResponse({"object": "list", "data": data})
+
+
+async def get_model(request: Request) -> JSONResponse:
+    name = request.path_params["model"]
+    await request.app.state.models.require(name)
+    return JSONResponse(
+        {"id": name, "object": "model", "created": request.app.state.created, "owned_by": OWNER}
+    )
+
+
+async def health(request: Request) -> Response:
+    """200 while tritonserver is ready (its models loaded), else 503."""
+    ready = await request.app.state.triton.ready()
+    return Response(status_code=200 if ready else 503)
+
+
+async def api_error(request: Request, error: Exception) -> Response:
+    assert isinstance(error, APIError)
+    return error.response()
+
+
+async def http_error(request: Request, error: Exception) -> Response:
+    assert isinstance(error, HTTPException)
+    kind = "not_found_error" if error.status_code == 404 else "invalid_request_error"
+    return APIError(
+        error.status_code, f"{request.method} {request.url.path}: {error.detail}", kind=kind
+    ).response()
+
+
+def create_app(grpc_url: str, tokenizer: str | None = None) -> Starlette:
+    """The endpoint for the tritonserver at grpc_url; tokenizer: the chat template's model for
+    every served model (default: what each model serves)."""
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        app.state.triton = Triton(grpc_url)  # the aio channel belongs to this event loop
+        app.state.models = ServedModels(app.state.triton, tokenizer)
+        app.state.created = int(time.time())
+        yield
+        await app.state.triton.close()
+
+    routes = [
+        Route("/health", health),
+        Route("/v1/models", list_models),
+        Route("/v1/models/{model:path}", get_model),
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+    ]
+    handlers = {APIError: api_error, HTTPException: http_error}
+    return Starlette(routes=routes, lifespan=lifespan, exception_handlers=handlers)

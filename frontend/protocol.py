@@ -1,0 +1,217 @@
+"""OpenAI's request bodies as far as this server honours them, and their `sampling_parameters`.
+
+A field OpenAI defines that changes nothing here is accepted; one this server cannot honour (`n`
+above 1, tools, audio ...) and any unknown field are refused by name, as OpenAI refuses unknown
+arguments. Beside OpenAI's fields, a body (the SDK's `extra_body`) may carry vLLM's extra sampling
+keys and the lookahead overrides; the server checks their values.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from backend.request import LOOKAHEAD_OVERRIDES
+
+# OpenAI fields sent on as sampling_parameters under the same name.
+_OPENAI_SAMPLING = (
+    "temperature",
+    "top_p",
+    "seed",
+    "stop",
+    "presence_penalty",
+    "frequency_penalty",
+    "logit_bias",
+)
+# vLLM's sampling keys beyond OpenAI's, which vLLM's OpenAI server also takes in the body.
+VLLM_EXTRAS = (
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "min_tokens",
+    "ignore_eos",
+    "stop_token_ids",
+    "include_stop_str_in_output",
+    "skip_special_tokens",
+)
+MAX_TOP_LOGPROBS = 20  # the server's bound (vLLM's)
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and not isinstance((self.json_schema or {}).get("schema"), dict):
+            raise ValueError("json_schema.schema must be a JSON schema object")
+        return self
+
+
+class _Request(_Body):
+    """The fields chat and text completions share."""
+
+    model: str
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = None
+    n: int | None = None
+    user: str | None = None
+    response_format: ResponseFormat | None = None
+    # vLLM's extras
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
+    # the lookahead overrides
+    use_lookahead: bool | None = None
+    decoding_length: int | None = None
+    branch_length: int | None = None
+    decoding_mode: str | None = None
+    stop_words: list[str | int] | None = None
+    debug: bool | None = None
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, n: int | None) -> int | None:
+        if n is not None and n != 1:
+            raise ValueError(f"only n=1 is supported, got {n}")
+        return n
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    def sampling_parameters(self) -> dict[str, Any]:
+        """The `sampling_parameters` JSON object: what the body sets, nothing it leaves out, so the
+        model's own defaults apply (greedy without `temperature`)."""
+        names = _OPENAI_SAMPLING + VLLM_EXTRAS + LOOKAHEAD_OVERRIDES
+        sampling = {name: getattr(self, name) for name in names if getattr(self, name) is not None}
+        max_tokens = self.requested_max_tokens()
+        if max_tokens is not None:
+            sampling["max_tokens"] = max_tokens
+        if self.response_format is not None and self.response_format.type != "text":
+            sampling["structured_outputs"] = structured_outputs(self.response_format)
+        return sampling
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+def structured_outputs(response_format: ResponseFormat) -> dict[str, Any]:
+    """vLLM's `structured_outputs` for a `response_format` (json_object, or json_schema's schema)."""
+    if response_format.type == "json_object":
+        return {"json_object": True}
+    return {"json": response_format.json_schema["schema"]}
+
+
+class Message(_Body):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _text_only(cls, content: str | list[dict[str, Any]] | None) -> str | list[dict[str, Any]] | None:
+        for part in content if isinstance(content, list) else ():
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ValueError(f"only text parts are supported, got a part of type {part.get('type')!r}")
+        return content
+
+    def template_message(self) -> dict[str, Any]:
+        """The message as chat templates read it: the text parts joined, `developer` as `system`."""
+        content = self.content
+        if isinstance(content, list):
+            content = "".join(part["text"] for part in content)
+        message = {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
+        if self.name is not None:
+            message["name"] = self.name
+        return message
+
+
+class ChatCompletionRequest(_Request):
+    messages: Annotated[list[Message], Field(min_length=1)]
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    # accepted at the value that changes nothing
+    tool_choice: Literal["none"] | None = None
+    tools: list[Any] | None = None
+    parallel_tool_calls: bool | None = None
+    store: Literal[False] | None = None
+
+    @field_validator("tools")
+    @classmethod
+    def _no_tools(cls, tools: list[Any] | None) -> list[Any] | None:
+        if tools:
+            raise ValueError("tools (function calling) are not supported by this server")
+        return tools
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_needs_logprobs(cls, top: int | None, info: Any) -> int | None:
+        if top and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs needs logprobs set to true")
+        return top
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def sampling_parameters(self) -> dict[str, Any]:
+        sampling = super().sampling_parameters()
+        if self.logprobs:
+            sampling["logprobs"] = self.top_logprobs or 0
+        return sampling
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return bool(self.logprobs)
+
+
+class CompletionRequest(_Request):
+    prompt: str | Annotated[list[str], Field(min_length=1, max_length=1)]
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    # accepted at the value that changes nothing
+    best_of: Literal[1] | None = None
+    suffix: None = None
+
+    @model_validator(mode="after")
+    def _no_prompt_logprobs(self) -> CompletionRequest:
+        if self.echo and self.logprobs is not None:
+            raise ValueError("echo together with logprobs is not supported (the prompt's logprobs)")
+        return self
+
+    @property
+    def text(self) -> str:
+        return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
+
+    def sampling_parameters(self) -> dict[str, Any]:
+        sampling = super().sampling_parameters()
+        if self.logprobs is not None:
+            sampling["logprobs"] = self.logprobs
+        return sampling
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.logprobs is not None

@@ -1,0 +1,193 @@
+"""The OpenAI endpoint's translation: request bodies -> sampling_parameters or a 400 naming the
+field, vLLM's logprobs JSON -> OpenAI's logprobs, Triton's error messages -> HTTP statuses."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
+
+from frontend.app import ChatFormat, TextFormat
+from frontend.errors import APIError, from_triton, from_validation
+from frontend.protocol import ChatCompletionRequest, CompletionRequest
+from frontend.triton import token_logprobs
+
+USER = [{"role": "user", "content": "hi"}]
+
+
+def chat(**body: Any) -> ChatCompletionRequest:
+    return ChatCompletionRequest.model_validate({"model": "lookahead", "messages": USER, **body})
+
+
+def refusal(schema: type, body: dict[str, Any]) -> APIError:
+    with pytest.raises(ValidationError) as caught:
+        schema.model_validate(body)
+    return from_validation(caught.value)
+
+
+def test_only_what_the_body_sets_is_sent_so_the_models_defaults_apply():
+    assert chat().sampling_parameters() == {}
+    sampling = chat(
+        max_tokens=9,
+        max_completion_tokens=7,
+        temperature=0.5,
+        top_p=0.9,
+        seed=3,
+        stop="\n",
+        presence_penalty=0.1,
+        frequency_penalty=0.2,
+        logit_bias={"42": -100},
+        logprobs=True,
+        top_logprobs=4,
+        ignore_eos=True,
+        min_tokens=2,
+        decoding_mode="one",
+        use_lookahead=False,
+    ).sampling_parameters()
+    assert sampling == {
+        "max_tokens": 7,  # max_completion_tokens wins
+        "temperature": 0.5,
+        "top_p": 0.9,
+        "seed": 3,
+        "stop": "\n",
+        "presence_penalty": 0.1,
+        "frequency_penalty": 0.2,
+        "logit_bias": {"42": -100.0},
+        "logprobs": 4,
+        "ignore_eos": True,
+        "min_tokens": 2,
+        "decoding_mode": "one",
+        "use_lookahead": False,
+    }
+    assert chat(logprobs=True).sampling_parameters() == {"logprobs": 0}  # the chosen token only
+    completion = CompletionRequest.model_validate(
+        {"model": "m", "prompt": ["p"], "logprobs": 2, "max_tokens": 5}
+    )
+    assert completion.text == "p" and completion.sampling_parameters() == {"logprobs": 2, "max_tokens": 5}
+
+
+def test_response_format_becomes_vllms_structured_outputs():
+    assert chat(response_format={"type": "text"}).sampling_parameters() == {}
+    assert chat(response_format={"type": "json_object"}).sampling_parameters() == {
+        "structured_outputs": {"json_object": True}
+    }
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    body = chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
+    assert body.sampling_parameters() == {"structured_outputs": {"json": schema}}
+
+
+def test_chat_messages_reach_the_template_as_text():
+    body = chat(
+        messages=[
+            {"role": "developer", "content": "be brief"},
+            {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+        ]
+    )
+    assert [m.template_message() for m in body.messages] == [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "ab"},
+    ]
+
+
+@pytest.mark.parametrize(
+    ("schema", "body", "param", "words"),
+    [
+        (ChatCompletionRequest, {"n": 2}, "n", "only n=1"),
+        (ChatCompletionRequest, {"tools": [{"type": "function"}]}, "tools", "not supported"),
+        (ChatCompletionRequest, {"audio": {"voice": "x"}}, "audio", "not supported"),
+        (ChatCompletionRequest, {"top_logprobs": 2}, "top_logprobs", "needs logprobs"),
+        (
+            ChatCompletionRequest,
+            {"top_logprobs": 21, "logprobs": True},
+            "top_logprobs",
+            "less than or equal to 20",
+        ),
+        (ChatCompletionRequest, {"temperature": 3}, "temperature", "less than or equal to 2"),
+        (ChatCompletionRequest, {"messages": []}, "messages", "at least 1"),
+        (
+            ChatCompletionRequest,
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+            "messages.0.content",
+            "only text parts",
+        ),
+        (ChatCompletionRequest, {"messages": [{"role": "tool", "content": "x"}]}, "messages.0.role", "user"),
+        (CompletionRequest, {"prompt": ["a", "b"]}, "prompt", ""),
+        (CompletionRequest, {"prompt": "a", "best_of": 2}, "best_of", ""),
+        (CompletionRequest, {"prompt": "a", "echo": True, "logprobs": 1}, "", "echo together with logprobs"),
+    ],
+)
+def test_a_refusal_names_the_field(schema, body, param, words):
+    base = {"model": "m", "messages": USER} if schema is ChatCompletionRequest else {"model": "m"}
+    error = refusal(schema, {**base, **body})
+    assert error.status == 400 and error.kind == "invalid_request_error"
+    assert (error.param or "").startswith(param) and words in error.message
+    assert error.body()["error"]["message"] == error.message
+
+
+def test_vllm_logprobs_become_the_chosen_token_and_the_top_ones_by_rank():
+    def entry(logprob: float, rank: int, token: str) -> dict:
+        return {"logprob": logprob, "rank": rank, "decoded_token": token}
+
+    raw = json.dumps(
+        [
+            {"7": entry(-3.0, 5, "x"), "1": entry(-0.1, 1, "a"), "2": entry(-0.5, 2, "b")},
+            {"1": entry(-0.2, 1, "a"), "3": entry(-2.0, 2, "c")},
+        ]
+    )
+    first, second = token_logprobs(raw, top=2)
+    assert (first.token, first.logprob, first.top) == ("x", -3.0, [("a", -0.1), ("b", -0.5)])
+    assert (second.token, second.logprob, second.top) == ("a", -0.2, [("a", -0.2), ("c", -2.0)])
+    assert token_logprobs(raw, top=0)[0].top == []
+    assert token_logprobs("null", top=2) is None
+
+
+def test_openai_logprob_objects_chat_and_text():
+    positions = [
+        {"5": {"logprob": -0.5, "rank": 1, "decoded_token": "é"}},
+        {"6": {"logprob": -1.0, "rank": 1, "decoded_token": "ab"}},
+    ]
+    tokens = token_logprobs(json.dumps(positions), top=1)
+    content = ChatFormat.logprobs(tokens)["content"]
+    assert content[0] == {
+        "token": "é",
+        "logprob": -0.5,
+        "bytes": [0xC3, 0xA9],
+        "top_logprobs": [{"token": "é", "logprob": -0.5, "bytes": [0xC3, 0xA9]}],
+    }
+    text = TextFormat(offset=3)  # after an echoed three-character prompt
+    assert text.logprobs(tokens[:1]) == {
+        "tokens": ["é"],
+        "token_logprobs": [-0.5],
+        "top_logprobs": [{"é": -0.5}],
+        "text_offset": [3],
+    }
+    assert text.logprobs(tokens[1:])["text_offset"] == [4]  # offsets run on across chunks
+
+
+def test_the_first_chat_chunk_names_the_role_and_the_last_has_only_the_finish_reason():
+    form = ChatFormat()
+    assert form.delta("", None, None)["delta"] == {"role": "assistant", "content": ""}
+    assert form.delta("Hi", None, None)["delta"] == {"content": "Hi"}
+    assert form.delta("", None, "stop") == {
+        "index": 0,
+        "delta": {},
+        "logprobs": None,
+        "finish_reason": "stop",
+    }
+
+
+@pytest.mark.parametrize(
+    ("message", "status"),
+    [
+        ("max_tokens must be <= 1024 on this model, got 5000", 400),
+        ("decoding_mode must be one of hier, par, one, got 'x'", 400),
+        ("Error generating text: out of memory", 500),
+        ("the engine thread failed (boom); the model must be reloaded (see the server log)", 503),
+        ("the model is being unloaded; the request was not completed", 503),
+    ],
+)
+def test_triton_errors_map_to_statuses(message, status):
+    error = from_triton(message)
+    assert (error.status, error.message) == (status, message)
