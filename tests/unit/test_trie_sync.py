@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import json
+import re
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
+from backend.config import parse_parameters
+from backend.launcher import SYNC_ENV
+from backend.request import DictInputs, GenerationRequest, RequestError, RequestLimits, parse_request
 from lookahead.algorithm.trie import NGramTrie
 from lookahead.config import LookaheadConfig, SamplingParams
 from lookahead.runtime.decoder import LookaheadDecoder
@@ -364,3 +370,51 @@ def test_the_published_tokens_are_what_the_global_trie_learned(
     replica = NGramTrie(capacity=10_000, max_depth=6)
     replica.writer().feed(published)
     assert ngrams(replica) == ngrams(trie) and len(ngrams(trie)) == trie.node_count
+
+
+# Configuration: the parameters, the environment variable, the per-request key
+
+
+def parse_config(tmp_path: Path, parameters: dict[str, str]):
+    return parse_parameters(parameters, model_dir=tmp_path / "repo" / "lookahead", model_name="lookahead")
+
+
+def test_trie_sync_is_off_by_default_and_lookahead_trie_sync_replaces_it(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.delenv(SYNC_ENV, raising=False)
+    assert parse_config(tmp_path, {}).trie_sync == ""
+    config = parse_config(tmp_path, {"trie_sync": "redis://a:1/0", "trie_sync_max_entries": "50"})
+    assert (config.trie_sync, config.trie_sync_max_entries) == ("redis://a:1/0", 50)
+    monkeypatch.setenv(SYNC_ENV, "rediss://:pw@fleet:6380/3")
+    assert parse_config(tmp_path, {"trie_sync": "redis://a:1/0"}).trie_sync == "rediss://:pw@fleet:6380/3"
+
+
+@pytest.mark.parametrize(
+    ("parameters", "message"),
+    [
+        ({"trie_sync": "localhost:6379"}, "'trie_sync': expected a redis:// or rediss:// URL"),
+        ({"trie_sync_namespace": "a b"}, "'trie_sync_namespace': expected letters"),
+        ({"trie_sync_max_entries": "0"}, "'trie_sync_max_entries': must be >= 1"),
+        ({"learn": "sometimes"}, "'learn': expected true or false"),
+    ],
+)
+def test_bad_sync_settings_fail_the_load_naming_the_parameter(
+    tmp_path: Path, monkeypatch, parameters: dict[str, str], message: str
+) -> None:
+    monkeypatch.delenv(SYNC_ENV, raising=False)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        parse_config(tmp_path, parameters)
+
+
+def test_learn_is_a_per_request_override_with_the_models_default(tmp_path: Path) -> None:
+    limits = RequestLimits(LookaheadConfig(learn=False), max_prompt_tokens=20, max_output_tokens=64)
+
+    def request(options: dict) -> GenerationRequest:
+        tensors = {"text_input": np.array([b"Hi"], dtype=np.object_)}
+        if options:
+            tensors["sampling_parameters"] = np.array([json.dumps(options).encode()], dtype=np.object_)
+        return parse_request(DictInputs(tensors), limits, lambda text: list(text.encode()))
+
+    assert request({}).lookahead.learn is False
+    assert request({"learn": "true"}).lookahead.learn is True
+    with pytest.raises(RequestError, match="learn must be true or false, got .perhaps."):
+        request({"learn": "perhaps"})
