@@ -20,9 +20,10 @@ import pytest
 
 from backend.launcher import TritonServer
 from lookahead.state.sync import encode_entry
+from scripts.local_redis import RedisServer
 from tests.integration.servers import copy_repository, launch, set_parameter
 from tests.integration.test_server import generate, is_ready, wait_for
-from tests.redis_server import RedisServer
+from tests.redis_server import require_redis_server
 
 PROMPTS = {
     "warm": "def merge_sorted(left, right):",
@@ -65,6 +66,7 @@ class Fleet:
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    require_redis_server()
     fleet = Fleet(tmp_path_factory.mktemp("fleet"))
     try:
         yield fleet

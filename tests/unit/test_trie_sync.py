@@ -28,7 +28,8 @@ from lookahead.state.sync import (
     encode_entry,
     redacted,
 )
-from tests.redis_server import RedisServer, running_redis
+from scripts.local_redis import RedisServer
+from tests.redis_server import require_redis_server, running_redis
 
 KEY = "test:trie:fp"
 VOCAB = 1000
@@ -207,6 +208,7 @@ def test_garbage_in_the_stream_is_counted_and_logged_once_per_kind(tmp_path: Pat
 
 
 def test_redis_down_at_start_then_up_publishes_what_waited(tmp_path: Path) -> None:
+    require_redis_server()
     server = RedisServer(tmp_path)
     log = Log()
     sync = make_sync(server.url, log)
@@ -230,6 +232,7 @@ def test_redis_down_at_start_then_up_publishes_what_waited(tmp_path: Path) -> No
 
 
 def test_redis_killed_mid_stream_and_restarted_empty_loses_no_later_entry(tmp_path: Path) -> None:
+    require_redis_server()
     server = RedisServer(tmp_path).start()
     log_a, log_b = Log(), Log()
     a, b = make_sync(server.url, log_a), make_sync(server.url, log_b)
