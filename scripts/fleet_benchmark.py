@@ -18,6 +18,7 @@ import argparse
 import json
 import re
 import shutil
+import signal
 import statistics
 import sys
 import tempfile
@@ -190,6 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--step-repeats", type=int, default=2000)
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the servers on the way out
     results: dict[str, object] = {}
     with tempfile.TemporaryDirectory(prefix="fleet-benchmark-") as folder:
         root = Path(folder)

@@ -8,6 +8,7 @@ Every generation is greedy, so every replica's text must equal the isolated mode
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import time
@@ -22,7 +23,7 @@ from backend.launcher import TritonServer
 from lookahead.state.sync import encode_entry
 from scripts.local_redis import RedisServer
 from tests.integration.servers import copy_repository, launch, set_parameter
-from tests.integration.test_server import generate, is_ready, wait_for
+from tests.integration.test_server import is_ready, wait_for
 from tests.redis_server import require_redis_server
 
 PROMPTS = {
@@ -32,6 +33,7 @@ PROMPTS = {
     "fault": "def is_prime(n):",
 }
 MAX_TOKENS = 48
+REQUEST_TIMEOUT_S = 600  # a 2-core machine shared with other work can be very slow
 
 
 class Fleet:
@@ -80,7 +82,13 @@ def ask(server: TritonServer, prompt: str, model: str = "lookahead", **parameter
         "return_perf_metrics": True,
         "parameters": {"max_tokens": MAX_TOKENS, **parameters},
     }
-    return generate(server, model, body)
+    request = urllib.request.Request(
+        f"http://{server.http_url}/v2/models/{model}/generate",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT_S) as reply:
+        return json.loads(reply.read())
 
 
 def sync_counts(server: TritonServer) -> dict[str, float]:
