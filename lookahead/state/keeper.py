@@ -20,7 +20,7 @@ from .sync import HISTORY_WAIT_S, START, Log, TrieSync
 if TYPE_CHECKING:
     from ..runtime.generation import Generation
 
-APPLY_TOKENS_PER_STEP = 2048  # received tokens inserted between two steps; the rest wait a step
+APPLY_TOKENS_PER_STEP = 512  # received tokens inserted between two steps (whole entries); the rest wait
 IDLE_POLL_S = 0.25  # how often an idle engine looks for received entries while syncing
 
 
