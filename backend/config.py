@@ -19,8 +19,9 @@ from lookahead.algorithm.trie import MAX_DEPTH_LIMIT
 from lookahead.config import LINEAR_KERNELS, DecoderConfig, LookaheadConfig, TrieConfig
 from lookahead.models.embedded import DEFAULT_MODEL
 from lookahead.models.loading import DTYPES
+from lookahead.state.sync import check_url
 
-from .launcher import MODEL_ENV  # when set, replaces every model's `model` parameter
+from .launcher import MODEL_ENV, SYNC_ENV  # when set, replace every model's `model` / `trie_sync`
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 # Folder holding each model's default trie_state_dir (<folder>/<model>); default <repo>/.state.
@@ -50,6 +51,9 @@ class BackendConfig:
     trie_state_dir: Path | None = None  # None: $LOOKAHEAD_STATE_DIR (else <project>/.state) / <model name>
     snapshot_interval_s: float = 60.0
     warmup_corpus: Path | None = None
+    trie_sync: str = ""  # "": the trie learns alone; else the Redis URL of the fleet's stream
+    trie_sync_namespace: str = "lookahead"  # key prefix: fleets that must not share drafts use their own
+    trie_sync_max_entries: int = 10000  # the stream's MAXLEN (approximate): what Redis retains
     max_prompt_tokens: int = 4096
     max_output_tokens: int = 1024
     max_running_requests: int = 16  # requests stepped together; the rest wait in the queue, in order
@@ -89,8 +93,9 @@ def parse_parameters(
     """
     repository = model_dir.resolve().parent
     values: dict[tuple[str, ...], Any] = {}
-    if os.environ.get(MODEL_ENV, "").strip():
-        parameters = {**parameters, "model": os.environ[MODEL_ENV]}
+    for env, name in ((MODEL_ENV, "model"), (SYNC_ENV, "trie_sync")):
+        if os.environ.get(env, "").strip():
+            parameters = {**parameters, name: os.environ[env]}
     for name, (where, parser) in PARAMETERS.items():
         raw = parameters.get(name, "").strip()
         if not raw or (raw.startswith("${") and raw.endswith("}")):
@@ -200,6 +205,12 @@ def _device(raw: str) -> str:
     return raw
 
 
+def _namespace(raw: str) -> str:
+    if not all(c.isalnum() or c in "-_.:" for c in raw):
+        raise ValueError(f"expected letters, digits and -_.: only, got {raw!r}")
+    return raw
+
+
 def _path(raw: str) -> Path:
     return Path(raw).expanduser()
 
@@ -232,6 +243,7 @@ PARAMETERS: dict[str, tuple[tuple[str, ...], Callable[..., Any]]] = {
     "adaptive": (("lookahead", "adaptive"), _bool),
     "stop_words": (("lookahead", "stop_words"), _stop_words),
     "debug": (("lookahead", "debug"), _bool),
+    "learn": (("lookahead", "learn"), _bool),
     "step_token_budget": (("decoder", "step_token_budget"), _int(minimum=1)),
     "max_speculative_batch": (("decoder", "max_speculative_batch"), _int(minimum=0)),
     "prefix_cache_tokens": (("decoder", "prefix_cache_tokens"), _int(minimum=0)),
@@ -241,6 +253,9 @@ PARAMETERS: dict[str, tuple[tuple[str, ...], Callable[..., Any]]] = {
     "trie_state_dir": (("trie_state_dir",), _path),
     "snapshot_interval_s": (("snapshot_interval_s",), _float(minimum=0.0)),
     "warmup_corpus": (("warmup_corpus",), _path),
+    "trie_sync": (("trie_sync",), check_url),
+    "trie_sync_namespace": (("trie_sync_namespace",), _namespace),
+    "trie_sync_max_entries": (("trie_sync_max_entries",), _int(minimum=1)),
     "max_prompt_tokens": (("max_prompt_tokens",), _int(minimum=1)),
     "max_output_tokens": (("max_output_tokens",), _int(minimum=1)),
     "max_running_requests": (("max_running_requests",), _int(minimum=1)),

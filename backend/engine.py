@@ -6,7 +6,8 @@ iteration (continuous batching: requests join and leave between steps, a new one
 its prompt in the iteration it arrives), so a long generation never keeps a short one from
 starting, and a long prompt, read in chunks, never stalls the running streams. It
 turns each step into an `Update` for the response thread; it never blocks on IPC itself.
-Between steps it snapshots the global trie, so a snapshot never sees a half-applied step.
+Between steps it hands the global trie to its keeper (lookahead/state/keeper.py: snapshots, the
+fleet's stream), so neither ever sees a half-applied step.
 """
 
 from __future__ import annotations
@@ -19,16 +20,14 @@ import traceback
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 
-from lookahead.algorithm.trie import NGramTrie
 from lookahead.runtime.decoder import LookaheadDecoder
 from lookahead.runtime.generation import Generation, GenerationStats, StepOutput
 from lookahead.runtime.logprobs import PositionLogprobs
-from lookahead.state.persistence import save_trie
+from lookahead.state.keeper import TrieKeeper
 
 from .config import BackendConfig
 from .request import GenerationRequest
@@ -108,39 +107,6 @@ class Update:
         return cls(state, final=True, stats=stats, failure=code, message=message)
 
 
-class TrieSnapshots:
-    """Saves the instance's global trie: while serving at most once per interval when it changed,
-    and always when the engine stops.
-
-    Called from the engine thread between steps, so the trie is never saved mid-update;
-    `save_trie` writes atomically, so a crash mid-save keeps the previous snapshot.
-    """
-
-    def __init__(self, trie: NGramTrie, path: Path, fingerprint: str, interval_s: float, log: Log):
-        self.trie, self.path, self.fingerprint = trie, path, fingerprint
-        self.interval_s, self.log = interval_s, log
-        self.changed = False
-        self.last_save = time.monotonic()
-
-    def mark_changed(self) -> None:
-        self.changed = True
-
-    def maybe_save(self) -> None:
-        if self.interval_s > 0 and self.changed and time.monotonic() - self.last_save >= self.interval_s:
-            self.save()
-
-    def save(self) -> None:
-        """Write now, changed or not: on unload every instance leaves its file behind."""
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            save_trie(self.trie, self.path, self.fingerprint)
-        except OSError as error:  # a full disk must not take the instance down; retry next interval
-            self.log.log_error(f"Could not save the trie snapshot {self.path}: {error}")
-        else:
-            self.changed = False
-        self.last_save = time.monotonic()
-
-
 class Engine:
     """Owns the decoder; steps all in-flight generations together on one thread.
 
@@ -155,7 +121,7 @@ class Engine:
         decoder: LookaheadDecoder,
         emit: Callable[[Update], None],
         log: Log,
-        snapshots: TrieSnapshots | None = None,
+        keeper: TrieKeeper | None = None,
         on_trie_size: Callable[[int, int], None] | None = None,
         max_running_requests: int = BackendConfig.max_running_requests,
         on_stopped: Callable[[str], None] | None = None,
@@ -166,7 +132,7 @@ class Engine:
         decoder.debug_log = log.log_info  # the `debug` setting's per-step lines go to the server log
         self.emit = emit
         self.log = log
-        self.snapshots = snapshots
+        self.keeper = keeper
         self.on_trie_size = on_trie_size
         self.max_running_requests = max_running_requests
         self.on_stopped = on_stopped
@@ -196,7 +162,7 @@ class Engine:
         self.emit(Update.failed(state, FailureCode.UNAVAILABLE, failure))
 
     def stop(self) -> None:
-        """Fail what is still in flight, take a last snapshot, and end the thread."""
+        """Fail what is still in flight, stop syncing, take a last snapshot, and end the thread."""
         self.inbox.put(None)
         self.thread.join()
 
@@ -205,8 +171,8 @@ class Engine:
         try:
             while self._admit():
                 self._advance()
-                if self.snapshots is not None:
-                    self.snapshots.maybe_save()
+                if self.keeper is not None:
+                    self.keeper.between_steps()
         except BaseException as error:
             message = ENGINE_FAILED.format(error=f"{type(error).__name__}: {error}")
             self.log.log_error(
@@ -217,11 +183,9 @@ class Engine:
             raise
         finally:
             self._fail_everything(FailureCode.UNAVAILABLE, message)
-            if self.snapshots is not None:
-                self.snapshots.save()
-                self.log.log_info(
-                    f"Saved {self.snapshots.path} ({self.snapshots.trie.node_count} trie nodes)"
-                )
+            if self.keeper is not None:
+                self.keeper.close()
+                self.log.log_info(f"Saved {self.keeper.path} ({self.keeper.trie.node_count} trie nodes)")
             if self.failure is not None and self.on_stopped is not None:
                 self.on_stopped(self.failure)
 
@@ -250,7 +214,7 @@ class Engine:
             except queue.Empty:
                 if not idle:
                     break
-                self.snapshots.maybe_save()  # only a pending snapshot sets an idle timeout
+                self.keeper.between_steps()  # only the keeper sets an idle timeout
                 continue
             if state is None:
                 return False
@@ -284,10 +248,8 @@ class Engine:
             self.active.append(state)
 
     def _idle_timeout(self) -> float | None:
-        """While idle, wake up only to write a snapshot that is due."""
-        if self.snapshots is None or not self.snapshots.changed or self.snapshots.interval_s <= 0:
-            return None
-        return max(0.01, self.snapshots.last_save + self.snapshots.interval_s - time.monotonic())
+        """While idle, wake up only for the keeper: a snapshot that is due, entries to insert."""
+        return None if self.keeper is None else self.keeper.idle_timeout()
 
     def _advance(self) -> None:
         """One batched step of every running request; cancelled ones end first."""
@@ -317,8 +279,8 @@ class Engine:
                 except Exception as error:
                     states.remove(state)
                     self._fail(state, error)
-        if self.snapshots is not None:
-            self.snapshots.mark_changed()
+        if self.keeper is not None:
+            self.keeper.mark_changed()
         for state, output in zip(states, outputs):
             if output.error is not None:
                 self._fail(state, output.error)
@@ -374,9 +336,12 @@ class Engine:
         )
 
     def _finish(self, state: RequestState, update: Update) -> None:
-        """Send the request's one final response and free its generation."""
+        """Send the request's one final response, free its generation and publish what the global
+        trie learned from it."""
         if state.generation is not None:
             state.generation.close()
+            if self.keeper is not None:
+                self.keeper.learned_from(state.generation)
         state.finish_time = time.monotonic()
         if state in self.active:
             self.active.remove(state)

@@ -43,6 +43,7 @@ from frontend.process import Frontend, FrontendError, start_frontend
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 MODEL_ENV = "LOOKAHEAD_MODEL"  # read by backend/config.py in every model instance
+SYNC_ENV = "LOOKAHEAD_TRIE_SYNC"  # likewise: every model's trie_sync
 BACKENDS_CACHE = REPO_ROOT / ".cache" / "triton_backends"
 LOGS_DIR = REPO_ROOT / ".cache" / "logs"
 _STUB = "triton_python_backend_stub"
@@ -358,6 +359,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         help=f"serve every model of the repository on this embedded model or folder (default: ${MODEL_ENV}, "
         "else each config.pbtxt's model parameter)",
     )
+    parser.add_argument(
+        "--trie-sync",
+        metavar="URL",
+        help=f"every model's trie_sync: the Redis URL its replicas learn through (default: ${SYNC_ENV}, "
+        "else each config.pbtxt's trie_sync parameter)",
+    )
     argv = list(sys.argv[1:] if argv is None else argv)
     split = argv.index("--") if "--" in argv else len(argv)
     args, extra = parser.parse_args(argv[:split]), argv[split + 1 :]
@@ -375,6 +382,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"error: {err}", file=sys.stderr)
             return 2
         print(f"every model of {args.model_repository} serves {extra_env[MODEL_ENV]}", flush=True)
+    if args.trie_sync:
+        extra_env[SYNC_ENV] = args.trie_sync
     log_path = args.log_file or LOGS_DIR / f"tritonserver-{args.http_port}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     log_path.open("ab" if args.log_file else "wb").close()

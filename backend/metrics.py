@@ -65,10 +65,36 @@ FAMILIES: dict[str, tuple[str, str, str, list[float] | None]] = {
     ),
     "trie_nodes": ("lookahead_trie_nodes", "Nodes in the instance's global n-gram trie.", "GAUGE", None),
     "trie_bytes": ("lookahead_trie_bytes", "Estimated bytes held by the global n-gram trie.", "GAUGE", None),
+    "sync_published": (
+        "lookahead_trie_sync_published_total",
+        "Entries this instance published to the fleet's trie stream (trie_sync).",
+        "COUNTER",
+        None,
+    ),
+    "sync_received": (
+        "lookahead_trie_sync_received_total",
+        "Other instances' entries inserted into the global trie.",
+        "COUNTER",
+        None,
+    ),
+    "sync_rejected": (
+        "lookahead_trie_sync_rejected_total",
+        "Stream entries refused (bad format version, ids or size).",
+        "COUNTER",
+        None,
+    ),
+    "sync_reconnects": (
+        "lookahead_trie_sync_reconnects_total",
+        "Reconnections to Redis after it failed.",
+        "COUNTER",
+        None,
+    ),
 }
 
 
-_COUNTERS = tuple(key for key, (_, _, kind, _) in FAMILIES.items() if kind == "COUNTER")
+_COUNTERS = tuple(
+    key for key, (_, _, kind, _) in FAMILIES.items() if kind == "COUNTER" and not key.startswith("sync_")
+)  # a request's counters; the sync thread counts the others
 
 
 @dataclass(frozen=True)
@@ -148,6 +174,10 @@ class LookaheadMetrics:
         self.queue.put(
             lambda: (self.metrics["trie_nodes"].set(nodes), self.metrics["trie_bytes"].set(byte_estimate))
         )
+
+    def trie_sync_counted(self, kind: str, count: int) -> None:
+        """Count sync events (called from the sync thread; never blocks): kind is one of sync.COUNTS."""
+        self.queue.put(lambda: self.metrics[f"sync_{kind}"].increment(count))
 
     def close(self) -> None:
         """Apply what is queued, end the thread, and drop the metrics before their families."""

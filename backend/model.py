@@ -23,11 +23,13 @@ import triton_python_backend_utils as pb_utils
 from lookahead.models.checks import check_tree_attention
 from lookahead.models.loading import LoadedModel, freeze_loaded_objects, load_model
 from lookahead.runtime.decoder import LookaheadDecoder
-from lookahead.state.persistence import load_trie
+from lookahead.state.keeper import TrieKeeper
+from lookahead.state.persistence import load_snapshot
+from lookahead.state.sync import TrieSync, redacted, stream_key
 from lookahead.state.warmup import warm_up
 
 from .config import BackendConfig
-from .engine import Engine, FailureCode, RequestState, TrieSnapshots, Update
+from .engine import Engine, FailureCode, RequestState, Update
 from .metrics import LookaheadMetrics
 from .request import RequestError, RequestLimits, parse_request, prompt_byte_limit
 from .responses import ResponseLoop
@@ -123,7 +125,7 @@ class TritonPythonModel:
         # forward of the engine thread wake sleeping workers (on 2 cores, a third slower).
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="lookahead-load") as loader:
             loading = loader.submit(self._load, config, args["model_instance_name"])
-            loaded, snapshots, decoder = loading.result()
+            loaded, keeper, decoder = loading.result()
         self.model_name = args["model_name"]
         self.tokenize = loaded.tokenizer.encode
         if config.linear_kernel == "auto" and loaded.linear_kernel == "stock" and config.device == "cpu":
@@ -144,14 +146,16 @@ class TritonPythonModel:
         if config.report_custom_metrics:
             labels = {"model": args["model_name"], "version": args["model_version"]}
             self.metrics = LookaheadMetrics.create(labels, self.logger)
-        if self.metrics is not None and snapshots is not None:
-            self.metrics.trie_size(snapshots.trie.node_count, snapshots.trie.byte_estimate)
+        if keeper is not None and config.trie_sync:
+            self._join_fleet(keeper, config, loaded, decoder)
+        if self.metrics is not None and keeper is not None:
+            self.metrics.trie_size(keeper.trie.node_count, keeper.trie.byte_estimate)
         self.responses = ResponseLoop(self.logger, on_final=self._on_final)
         self.engine = Engine(
             decoder,
             emit=self.responses.put,
             log=self.logger,
-            snapshots=snapshots,
+            keeper=keeper,
             on_trie_size=self.metrics.trie_size if self.metrics else None,
             max_running_requests=config.max_running_requests,
             on_stopped=self._on_engine_stopped,
@@ -162,7 +166,7 @@ class TritonPythonModel:
         self.logger.log_info(
             f"{args['model_instance_name']}: serving {loaded.name} on {config.device} "
             f"({config.dtype}, {loaded.execution}), "
-            f"{config.lookahead}, trie {snapshots.trie.node_count if snapshots else 0} nodes"
+            f"{config.lookahead}, trie {keeper.trie.node_count if keeper else 0} nodes"
         )
 
     def execute(self, requests: list[Any]) -> None:
@@ -221,7 +225,7 @@ class TritonPythonModel:
 
     def _load(
         self, config: BackendConfig, instance_name: str
-    ) -> tuple[LoadedModel, TrieSnapshots | None, LookaheadDecoder]:
+    ) -> tuple[LoadedModel, TrieKeeper | None, LookaheadDecoder]:
         loaded = load_model(
             config.model,
             dtype=config.dtype,
@@ -229,35 +233,64 @@ class TritonPythonModel:
             threads=config.threads or None,
             linear_kernel=config.linear_kernel,
         )
-        snapshots = None
+        keeper = None
         if config.lookahead.use_lookahead:
             check_tree_attention(loaded.model)  # refuse a model whose tree verification is not lossless
-            snapshots = self._open_trie(config, instance_name, loaded)
+            keeper = self._open_trie(config, instance_name, loaded)
         decoder = LookaheadDecoder.for_model(
-            loaded, snapshots.trie if snapshots else None, config.lookahead, config.decoder
+            loaded, keeper.trie if keeper else None, config.lookahead, config.decoder
         )
         decoder.kv_bytes_per_token  # measured here, so that request checks never run the model
-        return loaded, snapshots, decoder
+        if keeper is not None:
+            keeper.stop_words = decoder.stop_word_ids(config.lookahead.stop_words)
+        return loaded, keeper, decoder
 
     def _on_final(self, update: Update) -> None:
         if self.metrics is not None:
             self.metrics.request_finished(update)
 
-    def _open_trie(self, config: BackendConfig, instance_name: str, loaded: LoadedModel) -> TrieSnapshots:
+    def _open_trie(self, config: BackendConfig, instance_name: str, loaded: LoadedModel) -> TrieKeeper:
         """This instance's global trie: its last snapshot, else the warm-up corpus, else empty."""
         path = config.trie_state_dir / f"{re.sub(r'[^A-Za-z0-9_.-]', '_', instance_name)}.trie"
-        trie = load_trie(
+        snapshot = load_snapshot(
             path,
             capacity=config.trie.capacity,
             max_depth=config.trie.depth,
             fingerprint=loaded.fingerprint,
             vocab_size=loaded.vocab_size,
         )
-        snapshots = TrieSnapshots(trie, path, loaded.fingerprint, config.snapshot_interval_s, self.logger)
+        trie = snapshot.trie
+        keeper = TrieKeeper(
+            trie, path, loaded.fingerprint, config.snapshot_interval_s, self.logger, stream=snapshot.stream
+        )
         if trie.node_count == 0 and config.warmup_corpus is not None:
             warm_up(
                 trie, config.warmup_corpus, loaded.tokenizer, progress=False, vocab_size=loaded.vocab_size
             )
-            snapshots.mark_changed()
+            keeper.mark_changed()
         self.logger.log_info(f"Trie for {instance_name}: {path} ({trie.node_count} nodes)")
-        return snapshots
+        return keeper
+
+    def _join_fleet(
+        self, keeper: TrieKeeper, config: BackendConfig, loaded: LoadedModel, decoder: LookaheadDecoder
+    ) -> None:
+        """Learn with the other instances of this model through the trie_sync stream, starting from
+        what it retains (or from where this instance's snapshot left off)."""
+        key = stream_key(config.trie_sync_namespace, loaded.fingerprint)
+        source, cursor = keeper.resume_position(key)
+        sync = TrieSync(
+            config.trie_sync,
+            key,
+            vocab_size=decoder.vocab_size,
+            max_tokens=config.max_prompt_tokens + config.max_output_tokens,
+            max_entries=config.trie_sync_max_entries,
+            log=self.logger,
+            on_count=self.metrics.trie_sync_counted if self.metrics else None,
+            source=source,
+            cursor=cursor,
+        )
+        inserted = keeper.join(sync)
+        self.logger.log_info(
+            f"Trie sync through {redacted(config.trie_sync)}, stream {key}: {inserted} entries inserted "
+            f"at start, trie {keeper.trie.node_count} nodes"
+        )

@@ -27,6 +27,7 @@ LOOKAHEAD_OVERRIDES = (
     "decoding_mode",
     "stop_words",
     "debug",
+    "learn",
 )
 _FLAGS = (
     "stream",
@@ -280,4 +281,5 @@ _OVERRIDES: dict[str, Callable[[str, Any], Any]] = {
     "decoding_mode": to_str,
     "stop_words": _to_stop_words,
     "debug": to_bool,
+    "learn": to_bool,
 }

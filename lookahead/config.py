@@ -35,6 +35,8 @@ class LookaheadConfig:
     of the output and from which alone (a one-token context) nothing is drafted, as in the
     reference implementation (there: punctuation and spaces).
     debug: log every step's draft size, accepted length and where the draft came from.
+    learn: whether the request's output feeds the instance's global trie (and, with fleet sync,
+    every instance's); off, it still drafts from what the trie knows.
     """
 
     use_lookahead: bool = True
@@ -45,6 +47,7 @@ class LookaheadConfig:
     adaptive: bool = True
     stop_words: tuple[int | str, ...] = ()
     debug: bool = False
+    learn: bool = True
 
     def __post_init__(self) -> None:
         _require(self.decoding_length >= 1, f"decoding_length must be >= 1, got {self.decoding_length}")

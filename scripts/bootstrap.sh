@@ -10,6 +10,7 @@
 #   once into .cache/kernels (python -m lookahead prepare).
 # - .venv-perf: perf_analyzer (requirements-perf.txt) and the libb64-0d system package it needs.
 # - .venv-genai-perf: genai-perf 0.0.16 and its dependencies (requirements-genai-perf.txt).
+# - redis-server (Debian package), which the trie_sync tests start on their own ports.
 # pip is skipped while a stamp holding the requirements' hash is current, so a second run takes
 # seconds. PYTHON chooses the interpreter for new environments (default python3, >= 3.10).
 
@@ -96,6 +97,15 @@ _lookahead_bootstrap() (
             { as_root apt-get update -q && as_root apt-get install -y -q libb64-0d; } >/dev/null 2>&1 \
                 || echo "warning: could not install libb64-0d, so perf_analyzer will not start;" \
                     "install it as root: apt-get install libb64-0d" >&2
+        fi
+    fi
+    if ! command -v redis-server >/dev/null 2>&1; then
+        echo "bootstrap: installing the system package redis-server (the trie_sync tests start their own)"
+        if ! as_root apt-get install -y -q --no-install-recommends redis-server >/dev/null 2>&1; then
+            { as_root apt-get update -q && as_root apt-get install -y -q --no-install-recommends redis-server; } \
+                >/dev/null 2>&1 \
+                || echo "warning: could not install redis-server, so the trie_sync tests cannot run;" \
+                    "install it as root: apt-get install redis-server" >&2
         fi
     fi
     echo "bootstrap: ready (.venv; perf_analyzer via scripts/perf_analyzer.sh; genai-perf in .venv-genai-perf)"

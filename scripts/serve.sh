@@ -4,6 +4,7 @@
 #   scripts/serve.sh                                   # HTTP 8000, gRPC 8001, metrics 8002, OpenAI 9000
 #   scripts/serve.sh --model qwen2.5-coder-0.5b-instruct       # every model on an embedded model
 #   LOOKAHEAD_MODEL=path/to/hf-folder scripts/serve.sh         # ... or on a local folder
+#   scripts/serve.sh --trie-sync redis://127.0.0.1:6379/0      # replicas learn together (or LOOKAHEAD_TRIE_SYNC)
 #   TRITON_HTTP_PORT=8080 scripts/serve.sh --grpc-port 8081 --openai-port 0 -- --log-verbose=1
 #
 # Ports come from TRITON_HTTP_PORT / TRITON_GRPC_PORT / TRITON_METRICS_PORT / TRITON_OPENAI_PORT

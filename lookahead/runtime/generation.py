@@ -123,10 +123,10 @@ class Generation:
         self.writers: list[TrieWriter] = []
         self.stop_words = shared.stop_words
         if config.drafting:
-            # The output is learned once: by the shared trie when there is one. Counted in the
-            # request's own trie as well, whatever the output has just copied from the prompt
-            # would count twice there and outrank the prompt's own evidence.
-            learns_output = shared.trie is None
+            # The output is learned once: by the shared trie when there is one and the request
+            # may teach it. Counted in the request's own trie as well, whatever the output has
+            # just copied from the prompt would count twice there and outrank the prompt's own evidence.
+            learns_output = shared.trie is None or not config.learn
             depth = shared.trie_depth
             capacity = (self.prompt_len + (params.max_tokens if learns_output else 0)) * depth + 1
             self.local = NGramTrie(capacity=capacity, max_depth=depth)
@@ -135,7 +135,7 @@ class Generation:
             if learns_output:
                 self.writers.append(writer)
             self.spans = SpanIndex(prompt_ids)
-        if shared.trie is not None:
+        if shared.trie is not None and config.learn:
             # The shared trie learns outputs, keyed by the prompt's last tokens so that they can be queried.
             self.writers.append(shared.trie.writer())
             self.writers[-1].feed(

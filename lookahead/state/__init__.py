@@ -1,1 +1,2 @@
-"""What outlives a server process: trie snapshots (persistence.py) and warm-up corpora (warmup.py)."""
+"""What outlives a server process or one instance: trie snapshots (persistence.py), warm-up corpora
+(warmup.py), the trie's life between steps (keeper.py) and the fleet's shared stream (sync.py)."""

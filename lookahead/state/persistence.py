@@ -6,9 +6,11 @@ Layout, little-endian:
     | the trie.STORED columns of nodes 0..node_count, one after another | sha256 of all the above
 
 The header names the model/tokenizer identity (`fingerprint`), `max_depth`, `node_count` and the
-columns with their dtypes. Token ids mean nothing under another tokenizer, so a snapshot from
-another model is refused. A server must come up even when its snapshot is unusable, so loading
-never raises on a bad file: it logs why, naming the file, and starts with an empty trie.
+columns with their dtypes; with fleet sync on, also `stream`: the instance's place in its Redis
+stream (sync.py), so that a restart resumes there instead of inserting the history twice.
+Token ids mean nothing under another tokenizer, so a snapshot from another model is refused. A
+server must come up even when its snapshot is unusable, so loading never raises on a bad file:
+it logs why, naming the file, and starts with an empty trie.
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ import logging
 import os
 import struct
 import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -37,14 +41,25 @@ class SnapshotError(ValueError):
     """Why a snapshot file cannot be used."""
 
 
+@dataclass
+class Snapshot:
+    """A loaded snapshot: the trie and the header's `stream` entry ({} when absent)."""
+
+    trie: NGramTrie
+    stream: dict[str, Any] = field(default_factory=dict)
+
+
 def _disk_dtype(dtype: type) -> np.dtype:
     return np.dtype(dtype).newbyteorder("<")
 
 
-def save_trie(trie: NGramTrie, path: str | os.PathLike[str], fingerprint: str) -> None:
+def save_trie(
+    trie: NGramTrie, path: str | os.PathLike[str], fingerprint: str, stream: dict[str, Any] | None = None
+) -> None:
     """Write a snapshot of `trie` to `path`, replacing it atomically (a reader never sees half a file).
 
-    Raises OSError when the folder cannot be written.
+    `stream`: JSON-able sync position stored in the header. Raises OSError when the folder cannot
+    be written.
     """
     path = Path(path)
     columns = trie.to_columns()
@@ -54,6 +69,8 @@ def save_trie(trie: NGramTrie, path: str | os.PathLike[str], fingerprint: str) -
         "node_count": trie.node_count,
         "columns": [[name, _disk_dtype(dtype).str] for name, (_, dtype) in STORED.items()],
     }
+    if stream:
+        header["stream"] = stream
     header_bytes = json.dumps(header, sort_keys=True).encode()
     parts = [MAGIC, _PREAMBLE.pack(FORMAT_VERSION, len(header_bytes)), header_bytes]
     parts += [columns[name].astype(_disk_dtype(dtype)).tobytes() for name, (_, dtype) in STORED.items()]
@@ -99,8 +116,22 @@ def load_trie(
     """The trie saved at `path`, evicted down to `capacity` if needed; an empty trie when the file
     is missing (logged at info) or unusable (logged as an error with the reason), which includes
     holding token ids at or above `vocab_size`."""
+    return load_snapshot(
+        path, capacity=capacity, max_depth=max_depth, fingerprint=fingerprint, vocab_size=vocab_size
+    ).trie
+
+
+def load_snapshot(
+    path: str | os.PathLike[str],
+    *,
+    capacity: int,
+    max_depth: int,
+    fingerprint: str,
+    vocab_size: int | None = None,
+) -> Snapshot:
+    """load_trie's trie with the header's sync position; an empty one where load_trie's is empty."""
     path = Path(path)
-    empty = NGramTrie(capacity=capacity, max_depth=max_depth)  # raises on a bad configuration, not a bad file
+    empty = Snapshot(NGramTrie(capacity=capacity, max_depth=max_depth))  # raises on a bad configuration
     try:
         data = path.read_bytes()
     except FileNotFoundError:
@@ -110,19 +141,19 @@ def load_trie(
         logger.error("Cannot read trie snapshot %s: %s; starting with an empty trie", path, error)
         return empty
     try:
-        trie = _decode(
+        snapshot = _decode(
             data, capacity=capacity, max_depth=max_depth, fingerprint=fingerprint, vocab_size=vocab_size
         )
     except SnapshotError as error:
         logger.error("Ignoring trie snapshot %s: %s; starting with an empty trie", path, error)
         return empty
-    logger.info("Loaded trie snapshot %s: %d nodes (capacity %d)", path, trie.node_count, capacity)
-    return trie
+    logger.info("Loaded trie snapshot %s: %d nodes (capacity %d)", path, snapshot.trie.node_count, capacity)
+    return snapshot
 
 
 def _decode(
     data: bytes, *, capacity: int, max_depth: int, fingerprint: str, vocab_size: int | None
-) -> NGramTrie:
+) -> Snapshot:
     start = len(MAGIC) + _PREAMBLE.size
     if data[: len(MAGIC)] != MAGIC:
         raise SnapshotError("not a trie snapshot (bad magic bytes)")
@@ -161,6 +192,8 @@ def _decode(
     if vocab_size is not None and node_count and int(columns["token"][1:].max()) >= vocab_size:
         raise SnapshotError(f"token ids outside the model's vocabulary (size {vocab_size})")
     try:
-        return NGramTrie.from_columns(columns, capacity=capacity, max_depth=max_depth)
+        trie = NGramTrie.from_columns(columns, capacity=capacity, max_depth=max_depth)
     except ValueError as error:
         raise SnapshotError(f"inconsistent trie ({error})") from None
+    stream = header.get("stream")
+    return Snapshot(trie, stream if isinstance(stream, dict) else {})

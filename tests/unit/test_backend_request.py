@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from backend.engine import SHUTDOWN_MESSAGE, Engine, FailureCode, RequestState, TrieSnapshots, Update
+from backend.engine import SHUTDOWN_MESSAGE, Engine, FailureCode, RequestState, Update
 from backend.request import (
     STREAMING_ECHO_ERROR,
     DictInputs,
@@ -23,6 +23,7 @@ from backend.request import (
 from lookahead.algorithm.trie import NGramTrie
 from lookahead.config import LookaheadConfig, SamplingParams
 from lookahead.runtime.decoder import GenerationStats, StepOutput
+from lookahead.state.keeper import TrieKeeper
 from lookahead.state.persistence import load_trie
 
 LIMITS = RequestLimits(
@@ -575,8 +576,8 @@ def test_an_idle_engine_writes_a_due_snapshot_and_stop_writes_another(tmp_path):
     trie.insert([1, 2, 3, 4])
     path = tmp_path / "state" / "lookahead_0_0.trie"
     decoder, recorder = ScriptedDecoder({"a": steps("x")}), Recorder()
-    snapshots = TrieSnapshots(trie, path, "fp", interval_s=0.05, log=recorder)
-    engine = Engine(decoder, recorder.emit, recorder, snapshots=snapshots)
+    snapshots = TrieKeeper(trie, path, "fp", interval_s=0.05, log=recorder)
+    engine = Engine(decoder, recorder.emit, recorder, keeper=snapshots)
     submit(engine, "a", stream=True, prepend_input=False)
     engine.start()
     recorder.wait_finals(1)
@@ -592,7 +593,7 @@ def test_an_idle_engine_writes_a_due_snapshot_and_stop_writes_another(tmp_path):
 def test_snapshots_wait_for_the_interval_and_for_a_change(tmp_path):
     trie = NGramTrie(capacity=100, max_depth=4)
     path = tmp_path / "t.trie"
-    snapshots = TrieSnapshots(trie, path, "fp", interval_s=3600, log=Recorder())
+    snapshots = TrieKeeper(trie, path, "fp", interval_s=3600, log=Recorder())
     snapshots.mark_changed()
     snapshots.maybe_save()
     assert not path.exists()  # the interval has not passed
@@ -612,7 +613,7 @@ def test_a_failing_save_is_logged_and_retried(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("not a folder")
     recorder = Recorder()
-    snapshots = TrieSnapshots(NGramTrie(capacity=100, max_depth=4), blocker / "t.trie", "fp", 1.0, recorder)
+    snapshots = TrieKeeper(NGramTrie(capacity=100, max_depth=4), blocker / "t.trie", "fp", 1.0, recorder)
     snapshots.mark_changed()
     snapshots.save()
     assert snapshots.changed
