@@ -66,7 +66,7 @@ def prepare_integer_forms(name: str) -> str:
     from .cpu import prepare_integer_forms as search
 
     loaded = load_model(name, linear_kernel="stock", require_tokenizer=False)
-    with tqdm(desc=f"{name}: integer forms", unit=" matrices", file=sys.stderr) as bar:
+    with tqdm(desc=f"{name}: integer forms", unit=" matrix", file=sys.stderr) as bar:
 
         def progress(done: int, total: int) -> None:
             bar.total = total
