@@ -25,7 +25,8 @@ from backend.launcher import TritonServer, free_port, start_server
 from lookahead.models.loading import LoadedModel
 from tests.integration.servers import READY_TIMEOUT_S, REPOSITORY, set_parameter
 
-PROMPT = "In this example,"
+# Prompts on which the default model writes 16 tokens before any end of text.
+PROMPT = "The future of AI is"
 # The vLLM backend's bucket bounds (src/utils/metrics.py); token counts: 1-2-5 steps up to the
 # model's context, 8192 tokens here.
 BUCKETS = {
