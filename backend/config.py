@@ -8,6 +8,7 @@ TensorRT-LLM `fill_template.py` convention) both mean "use the default".
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 from collections.abc import Callable, Mapping
@@ -26,8 +27,9 @@ from .launcher import MODEL_ENV, SYNC_ENV  # when set, replace every model's `mo
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 # Folder holding each model's default trie_state_dir (<folder>/<model>); default <repo>/.state.
 STATE_DIR_ENV = "LOOKAHEAD_STATE_DIR"
-# Keys the Python backend itself reads; never reported as unknown.
-_TRITON_RESERVED = frozenset({"EXECUTION_ENV_PATH", "FORCE_CPU_ONLY_INPUT_TENSORS"})
+# Keys read by others, accepted beside PARAMETERS: the Python backend's own, and the vLLM backend's
+# health check switch, whose behaviour (a failed engine unreadies and unloads its model) is built in.
+ACCEPTED_KEYS = frozenset({"EXECUTION_ENV_PATH", "FORCE_CPU_ONLY_INPUT_TENSORS", "ENABLE_VLLM_HEALTH_CHECK"})
 
 T = TypeVar("T")
 
@@ -55,10 +57,9 @@ class BackendConfig:
     trie_sync_namespace: str = "lookahead"  # key prefix: fleets that must not share drafts use their own
     trie_sync_max_entries: int = 10000  # the stream's MAXLEN (approximate): what Redis retains
     max_prompt_tokens: int = 4096
-    max_output_tokens: int = 1024
+    max_output_tokens: int = 0  # 0: only the model's context window bounds max_tokens
     max_running_requests: int = 16  # requests stepped together; the rest wait in the queue, in order
     report_custom_metrics: bool = True
-    ignored_parameters: tuple[str, ...] = ()  # set but read by nothing: most likely typos
 
     @classmethod
     def from_triton_args(cls, args: Mapping[str, str]) -> BackendConfig:
@@ -86,11 +87,15 @@ def parse_parameters(
     instance_kind: str = "CPU",
     instance_device_id: int = 0,
 ) -> BackendConfig:
-    """Validate flat string parameters; raise ValueError naming the first bad parameter.
+    """Validate flat string parameters; raise ValueError naming the first bad parameter, or every
+    unknown one (a typo must not leave a setting at its default unnoticed).
 
     Relative paths are resolved against the model repository (the folder holding the model's
     directory), so a repository can be moved or copied together with its state and corpora.
     """
+    unknown = sorted(set(parameters) - set(PARAMETERS) - ACCEPTED_KEYS)
+    if unknown:
+        raise ValueError(f"unknown config.pbtxt parameters: {', '.join(map(_known_as, unknown))}")
     repository = model_dir.resolve().parent
     values: dict[tuple[str, ...], Any] = {}
     for env, name in ((MODEL_ENV, "model"), (SYNC_ENV, "trie_sync")):
@@ -134,8 +139,13 @@ def parse_parameters(
         if config.trie_state_dir
         else state_root / model_name,
         warmup_corpus=(repository / config.warmup_corpus).resolve() if config.warmup_corpus else None,
-        ignored_parameters=tuple(sorted(set(parameters) - set(PARAMETERS) - _TRITON_RESERVED)),
     )
+
+
+def _known_as(name: str) -> str:
+    """'name' and the known parameter it most likely misspells."""
+    close = difflib.get_close_matches(name, PARAMETERS, n=1)
+    return f"{name!r} (did you mean {close[0]!r}?)" if close else repr(name)
 
 
 def default_value(name: str) -> Any:
@@ -257,7 +267,7 @@ PARAMETERS: dict[str, tuple[tuple[str, ...], Callable[..., Any]]] = {
     "trie_sync_namespace": (("trie_sync_namespace",), _namespace),
     "trie_sync_max_entries": (("trie_sync_max_entries",), _int(minimum=1)),
     "max_prompt_tokens": (("max_prompt_tokens",), _int(minimum=1)),
-    "max_output_tokens": (("max_output_tokens",), _int(minimum=1)),
+    "max_output_tokens": (("max_output_tokens",), _int(minimum=0)),
     "max_running_requests": (("max_running_requests",), _int(minimum=1)),
     "REPORT_CUSTOM_METRICS": (("report_custom_metrics",), _bool),
 }

@@ -226,7 +226,7 @@ class Engine:
         """Start waiting requests in arrival order while the running ones leave room for them."""
         for state in [s for s in self.waiting if s.cancelled]:
             self.waiting.remove(state)
-            self._finish(state, Update.failed(state, FailureCode.CANCELLED, "Request was cancelled"))
+            self._cancel(state)
         while self.waiting and len(self.active) < self.max_running_requests:
             state = self.waiting[0]
             if self.active and not self.decoder.fits([*(s.longest for s in self.active), state.longest]):
@@ -254,8 +254,7 @@ class Engine:
     def _advance(self) -> None:
         """One batched step of every running request; cancelled ones end first."""
         for state in [s for s in self.active if s.cancelled]:
-            self.log.log_info(f"Cancelling request {state.id}")
-            self._finish(state, Update.failed(state, FailureCode.CANCELLED, "Request was cancelled"))
+            self._cancel(state)
         # One forward for everyone: new requests read their prompts in chunks beside the running
         # requests' steps, so a long prompt never stalls a stream for more than a step.
         if self.active:
@@ -292,6 +291,12 @@ class Engine:
                 self._finish(state, update)
             else:
                 self.emit(update)
+
+    def _cancel(self, state: RequestState) -> None:
+        """End a cancelled request, logged in the vLLM backend's words (its clients read the log)."""
+        self.log.log_info(f"[vllm] Cancelling the request {state.id}")
+        self._finish(state, Update.failed(state, FailureCode.CANCELLED, "Request was cancelled"))
+        self.log.log_info(f"[vllm] Successfully cancelled the request {state.id}")
 
     def _fail(self, state: RequestState, error: BaseException) -> None:
         """One broken request ends with an error; the instance and the other requests go on."""

@@ -13,9 +13,9 @@ reaches the stub through the environment's site-packages (scripts/bootstrap.sh i
     python -m backend.launcher --model qwen2.5-coder-0.5b-instruct   # every model serves the Qwen model
     python -m backend.launcher --openai-port 9000   # and the OpenAI-compatible endpoint (frontend/)
 
-`--model` (or $LOOKAHEAD_MODEL) replaces the `model` parameter of every model in the repository:
-an embedded model is prepared here first (installed and converted once, progress on the
-terminal), a folder is passed on as an absolute path.
+`--model` (or $LOOKAHEAD_MODEL) replaces the `model` parameter of every model in the repository
+(a folder as an absolute path); it is prepared here before tritonserver starts (an embedded one
+installed and converted, the integer forms of its weights searched; progress on the terminal).
 """
 
 from __future__ import annotations
@@ -294,20 +294,31 @@ def start_server(
 
 
 def model_override(value: str) -> str:
-    """The LOOKAHEAD_MODEL value for `--model`: an embedded model, prepared now, or a folder's
-    absolute path (the server's processes run elsewhere). TritonServerError when it is neither."""
-    from lookahead.models.embedded import EMBEDDED_MODELS, prepare_embedded_model
+    """The LOOKAHEAD_MODEL value for `--model`: an embedded model's name or a folder's absolute path
+    (the server's processes run elsewhere), prepared before any server starts. TritonServerError
+    when it is neither."""
+    from lookahead.models.embedded import EMBEDDED_MODELS
 
-    if value in EMBEDDED_MODELS:
-        prepare_embedded_model(value)
-        return value
-    folder = Path(value).expanduser()
-    if not (folder / "config.json").is_file():
-        raise TritonServerError(
-            f"--model {value!r} is neither an embedded model ({', '.join(EMBEDDED_MODELS)}) "
-            "nor a local folder with a config.json"
-        )
-    return str(folder.resolve())
+    model = value
+    if value not in EMBEDDED_MODELS:
+        folder = Path(value).expanduser()
+        if not (folder / "config.json").is_file():
+            raise TritonServerError(
+                f"--model {value!r} is neither an embedded model ({', '.join(EMBEDDED_MODELS)}) "
+                "nor a local folder with a config.json"
+            )
+        model = str(folder.resolve())
+    prepare_model(model)
+    return model
+
+
+def prepare_model(model: str) -> None:
+    """`python -m lookahead prepare MODEL`, progress on the terminal: the download, the conversion and
+    the integer-form search done once, so that every instance finds them cached and the readiness
+    wait covers only loading. In a process of its own, whose memory is freed before the server's."""
+    done = subprocess.run([sys.executable, "-m", "lookahead", "prepare", model], stdin=subprocess.DEVNULL)
+    if done.returncode != 0:
+        raise TritonServerError(f"preparing {model} failed (python -m lookahead prepare: {done.returncode})")
 
 
 def _temporary_log() -> Path:

@@ -33,6 +33,7 @@ from .engine import Engine, FailureCode, RequestState, Update
 from .metrics import LookaheadMetrics
 from .request import RequestError, RequestLimits, parse_request, prompt_byte_limit
 from .responses import ResponseLoop
+from .vllm_metrics import VllmMetrics
 
 ENGINE_STOPPED = "the engine thread has stopped (see the server log); reload the model"
 UNLOAD_FAILED = (
@@ -114,10 +115,6 @@ class TritonPythonModel:
                 f"model {args['model_name']!r} needs model_transaction_policy {{ decoupled: true }}"
             )
         config = BackendConfig.from_triton_args(args)
-        if config.ignored_parameters:
-            self.logger.log_warn(
-                f"Ignoring unknown config.pbtxt parameters: {', '.join(config.ignored_parameters)}"
-            )
 
         # A short-lived thread does the torch work of loading. libgomp gives every thread that
         # starts parallel work its own team of workers, and once a process has more workers than
@@ -142,10 +139,12 @@ class TritonPythonModel:
             context_length=decoder.context_length,
         )
 
-        self.metrics = None
+        self.metrics = self.vllm_metrics = None
         if config.report_custom_metrics:
             labels = {"model": args["model_name"], "version": args["model_version"]}
             self.metrics = LookaheadMetrics.create(labels, self.logger)
+            max_model_len = decoder.context_length or config.max_prompt_tokens
+            self.vllm_metrics = VllmMetrics.create(labels, max_model_len, self.logger)
         if keeper is not None and config.trie_sync:
             self._join_fleet(keeper, config, loaded, decoder)
         if self.metrics is not None and keeper is not None:
@@ -219,8 +218,9 @@ class TritonPythonModel:
         """Stop the engine (it answers what is left and takes a last snapshot), then the senders."""
         self.engine.stop()
         self.responses.stop()
-        if self.metrics is not None:
-            self.metrics.close()
+        for metrics in (self.metrics, self.vllm_metrics):
+            if metrics is not None:
+                metrics.close()
         gc.collect()
 
     def _load(
@@ -246,8 +246,9 @@ class TritonPythonModel:
         return loaded, keeper, decoder
 
     def _on_final(self, update: Update) -> None:
-        if self.metrics is not None:
-            self.metrics.request_finished(update)
+        for metrics in (self.metrics, self.vllm_metrics):
+            if metrics is not None:
+                metrics.request_finished(update)
 
     def _open_trie(self, config: BackendConfig, instance_name: str, loaded: LoadedModel) -> TrieKeeper:
         """This instance's global trie: its last snapshot, else the warm-up corpus, else empty."""

@@ -19,7 +19,10 @@ from lookahead.config import LookaheadConfig, SamplingParams
 
 from .sampling_keys import sampling_fields, to_bool, to_int, to_str
 
-STREAMING_ECHO_ERROR = "When streaming, `exclude_input_in_output` = False is not allowed."
+# The vLLM backend's words, which its clients match.
+STREAMING_ECHO_ERROR = (
+    "Error generating stream: When streaming, `exclude_input_in_output` = False is not allowed."
+)
 LOOKAHEAD_OVERRIDES = (
     "use_lookahead",
     "decoding_length",
@@ -78,7 +81,7 @@ class RequestLimits:
 
     lookahead: LookaheadConfig  # instance defaults, also the per-request maxima
     max_prompt_tokens: int
-    max_output_tokens: int
+    max_output_tokens: int  # 0: no bound but the context
     max_prompt_bytes: int | None = None
     context_length: int | None = None
 
@@ -231,14 +234,14 @@ def _sampling_options(inputs: RequestInputs) -> Mapping[str, Any]:
 
 def _sampling_params(fields: dict[str, Any], limits: RequestLimits, prompt_tokens: int) -> SamplingParams:
     """SamplingParams from the converted fields; without max_tokens, min(the library default,
-    max_output_tokens, what the context leaves after the prompt)."""
+    max_output_tokens when set, what the context leaves after the prompt). As in vLLM, only the
+    context bounds max_tokens unless max_output_tokens is set (the decoder checks the context)."""
+    cap = limits.max_output_tokens or None
     if "max_tokens" not in fields:
-        room = limits.context_length - prompt_tokens if limits.context_length else limits.max_output_tokens
-        fields["max_tokens"] = max(1, min(SamplingParams.max_tokens, limits.max_output_tokens, room))
-    if fields["max_tokens"] > limits.max_output_tokens:
-        raise RequestError(
-            f"max_tokens must be <= {limits.max_output_tokens} on this model, got {fields['max_tokens']}"
-        )
+        room = limits.context_length - prompt_tokens if limits.context_length else None
+        fields["max_tokens"] = max(1, min(n for n in (SamplingParams.max_tokens, cap, room) if n is not None))
+    if cap is not None and fields["max_tokens"] > cap:
+        raise RequestError(f"max_tokens must be <= {cap} on this model, got {fields['max_tokens']}")
     try:
         return SamplingParams(**fields)
     except ValueError as error:

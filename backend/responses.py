@@ -33,10 +33,9 @@ def build_response(update: Update) -> pb_utils.InferenceResponse:
         return pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(update.message, code))
     request = update.state.request
     tensors = [pb_utils.Tensor("text_output", np.array([update.text.encode("utf-8")], dtype=np.object_))]
-    if request.return_finish_reason and update.finish_reason is not None:
-        tensors.append(
-            pb_utils.Tensor("finish_reason", np.array([update.finish_reason.encode()], dtype=np.object_))
-        )
+    if request.return_finish_reason:  # as the vLLM backend sends it: "None" until the final response
+        reason = str(update.finish_reason).encode()
+        tensors.append(pb_utils.Tensor("finish_reason", np.array([reason], dtype=np.object_)))
     if request.return_cumulative_logprob:
         value = math.nan if update.cumulative_logprob is None else update.cumulative_logprob
         tensors.append(pb_utils.Tensor("cumulative_logprob", np.array([value], dtype=np.float32)))

@@ -196,6 +196,11 @@ def _chunk(response: RawResponse, sent: float) -> Chunk:
         seconds=response.arrival - sent,
         num_output_tokens=int(outputs.get("num_output_tokens", 0)),
         num_input_tokens=outputs.get("num_input_tokens"),
-        finish_reason=outputs.get("finish_reason") or None,
+        finish_reason=_finish_reason(outputs.get("finish_reason")),
         perf={name: outputs[name] for name in PERF_METRICS if name in outputs},
     )
+
+
+def _finish_reason(value: str | None) -> str | None:
+    """The reason a generation ended; vLLM's contract sends "None" on every response before the last."""
+    return None if value in (None, "", "None") else value

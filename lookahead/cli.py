@@ -17,7 +17,10 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
+
+from tqdm import tqdm
 
 from .config import DECODING_MODES, LINEAR_KERNELS, LookaheadConfig, SamplingParams, TrieConfig
 from .models.embedded import DEFAULT_MODEL, EMBEDDED_MODELS, prepare_embedded_model
@@ -29,20 +32,48 @@ class UsageError(ValueError):
 
 
 def prepare(args: argparse.Namespace) -> int:
-    """Convert embedded models into the cache and build the fast CPU path's kernels."""
-    unknown = [name for name in args.models if name not in EMBEDDED_MODELS]
+    """Prepare models for serving: convert embedded ones into the cache, build the fast CPU path's
+    kernels and search each model's integer forms (a first load's longest part), so that every
+    server instance finds them done."""
+    models = args.models or [DEFAULT_MODEL]
+    unknown = [
+        name
+        for name in models
+        if name not in EMBEDDED_MODELS and not (Path(name).expanduser() / "config.json").is_file()
+    ]
     if unknown:
-        raise UsageError(f"unknown embedded models {unknown}: choose from {', '.join(EMBEDDED_MODELS)}")
-    for name in args.models or [DEFAULT_MODEL]:
-        print(f"{name}: {prepare_embedded_model(name)}")
+        raise UsageError(
+            f"{', '.join(map(repr, unknown))}: neither embedded models ({', '.join(EMBEDDED_MODELS)}) "
+            "nor folders with a config.json"
+        )
+    for name in models:
+        if name in EMBEDDED_MODELS:
+            print(f"{name}: {prepare_embedded_model(name)}", flush=True)
     if importlib.util.find_spec("lookahead.cpu") is None:
         print(f"fast CPU path: {NO_FAST_PATH}")
         return 0
     from .cpu import prepare as prepare_fast_path
 
     for line in prepare_fast_path():
-        print(f"fast CPU path: {line}")
+        print(f"fast CPU path: {line}", flush=True)
+    for name in models:
+        print(f"{name}: {prepare_integer_forms(name)}", flush=True)
     return 0
+
+
+def prepare_integer_forms(name: str) -> str:
+    """Search a model's integer forms into the cache, a progress bar on stderr; the outcome in words."""
+    from .cpu import prepare_integer_forms as search
+
+    loaded = load_model(name, linear_kernel="stock", require_tokenizer=False)
+    with tqdm(desc=f"{name}: integer forms", unit=" matrix", file=sys.stderr) as bar:
+
+        def progress(done: int, total: int) -> None:
+            bar.total = total
+            bar.update(done - bar.n)
+
+        searched = search(loaded.model, progress)
+    return "integer forms cached" if searched else "no integer forms (the packed kernel does not run it here)"
 
 
 def check(args: argparse.Namespace) -> int:
@@ -177,8 +208,9 @@ def build_parser() -> argparse.ArgumentParser:
     preparing.add_argument(
         "models",
         nargs="*",
-        metavar="NAME",
-        help=f"embedded models to convert (default: {DEFAULT_MODEL}; known: {', '.join(EMBEDDED_MODELS)})",
+        metavar="MODEL",
+        help=f"embedded models or local folders (default: {DEFAULT_MODEL}; embedded: "
+        f"{', '.join(EMBEDDED_MODELS)})",
     )
     preparing.set_defaults(run=prepare)
     checking = commands.add_parser("check", help=check.__doc__)

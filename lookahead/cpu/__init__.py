@@ -6,6 +6,6 @@ depend on how many tokens share a forward, so plain and speculative decoding giv
 """
 
 from .extension import FastPathUnavailable
-from .fast_path import FastPath, apply_fast_path, prepare
+from .fast_path import FastPath, apply_fast_path, prepare, prepare_integer_forms
 
-__all__ = ["FastPath", "FastPathUnavailable", "apply_fast_path", "prepare"]
+__all__ = ["FastPath", "FastPathUnavailable", "apply_fast_path", "prepare", "prepare_integer_forms"]

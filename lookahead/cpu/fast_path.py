@@ -9,6 +9,7 @@ bits, lean decoder layers run from C++ (lean_layers.py).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,7 +27,7 @@ from .extension import (
     why_no_variant,
 )
 from .lean_layers import use_lean_layers
-from .packed_linear import pack_linear_layers
+from .packed_linear import pack_linear_layers, search_integer_forms
 
 logger = logging.getLogger("lookahead")
 
@@ -98,3 +99,17 @@ def prepare() -> list[str]:
         except FastPathUnavailable as error:
             lines.append(f"{variant.name}: unavailable ({error})")
     return lines
+
+
+def prepare_integer_forms(model: Any, progress: Callable[[int, int], None] | None = None) -> bool:
+    """Search the integer forms of a model's weights ahead of serving (its first load's longest
+    part), so that every process loading it later reads them from the cache; progress(done,
+    total) after each matrix. False, searching nothing, where the packed kernel would not run."""
+    try:
+        _check_model(model)
+    except FastPathUnavailable:
+        return False
+    if not runnable_variants():
+        return False
+    search_integer_forms(model, progress)
+    return True

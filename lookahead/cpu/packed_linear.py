@@ -15,6 +15,7 @@ speculative decoding on this path produce the same logits bit for bit.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from types import ModuleType
 
 import torch
@@ -121,7 +122,18 @@ def _pack_columns(matrix: torch.Tensor) -> torch.Tensor:
 
 def pack_linear_layers(model: nn.Module, extension: ModuleType) -> None:
     """Replace every fp32 `nn.Linear` of `model` in place by a `PackedLinear` on `extension`'s kernel."""
-    for parent in list(model.modules()):
+    for parent, linears in linear_groups(model):
+        weights, start = PackedWeights(list(linears.values()), extension), 0
+        for name, linear in linears.items():
+            setattr(parent, name, PackedLinear(weights, start, start + linear.out_features))
+            start += linear.out_features
+
+
+def linear_groups(model: nn.Module) -> list[tuple[nn.Module, dict[str, nn.Linear]]]:
+    """The fp32 `nn.Linear`s of `model` as they are packed: fused siblings together, the others
+    alone; each group with its parent module and by attribute name."""
+    found = []
+    for parent in model.modules():
         children = {
             name: child
             for name, child in parent.named_children()
@@ -130,12 +142,18 @@ def pack_linear_layers(model: nn.Module, extension: ModuleType) -> None:
         groups = [names for names in FUSED_SIBLINGS if _fusable([children.get(n) for n in names])]
         grouped = {name for names in groups for name in names}
         groups += [(name,) for name in children if name not in grouped]
-        for names in groups:
-            linears = [children[name] for name in names]
-            weights, start = PackedWeights(linears, extension), 0
-            for name, linear in zip(names, linears):
-                setattr(parent, name, PackedLinear(weights, start, start + linear.out_features))
-                start += linear.out_features
+        found += [(parent, {name: children[name] for name in names}) for names in groups]
+    return found
+
+
+def search_integer_forms(model: nn.Module, progress: Callable[[int, int], None] | None = None) -> None:
+    """Find the integer form of every matrix `pack_linear_layers` would pack, so that later loads
+    of the same weights read them from the cache; progress(done, total) after each one."""
+    groups = linear_groups(model)
+    for done, (_, linears) in enumerate(groups, 1):
+        cached_integer_form(torch.cat([linear.weight.detach() for linear in linears.values()]))
+        if progress is not None:
+            progress(done, len(groups))
 
 
 def _fusable(linears: list[nn.Linear | None]) -> bool:

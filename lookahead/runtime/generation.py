@@ -47,6 +47,7 @@ class GenerationStats:
     cached_prompt_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     steps: int = 0  # decoding forwards after the prefill
     draft_tokens: int = 0  # draft tokens fed (roots excluded)
+    drafts: int = 0  # forwards that fed at least one draft token
     accepted_draft_tokens: int = 0
     prefill_seconds: float = 0.0  # from the first step to the prompt's last chunk
     forward_seconds: list[float] = field(default_factory=list)
@@ -224,6 +225,7 @@ class Generation:
             for calibration in (self.shared.calibration, self.calibration):
                 calibration.observe(draft, verdict.accepted_nodes)
         self.stats.draft_tokens += len(draft) - 1
+        self.stats.drafts += len(draft) > 1
         self.stats.accepted_draft_tokens += len(verdict.accepted_nodes)
         if self.config.debug:
             origins = ", ".join(f"{name} {count}" for name, count in draft.origin_counts().items())

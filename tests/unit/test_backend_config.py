@@ -141,9 +141,21 @@ def test_the_trie_must_be_deeper_than_a_query(tmp_path, depth):
         parse(tmp_path, trie_depth=depth, max_query_length="4")
 
 
-def test_unknown_parameters_are_reported_but_reserved_ones_are_not(tmp_path):
-    config = parse(tmp_path, decodng_length="8", EXECUTION_ENV_PATH="$$TRITON_MODEL_DIRECTORY/env")
-    assert config.ignored_parameters == ("decodng_length",)
+def test_unknown_parameters_fail_the_load_but_other_backends_keys_do_not(tmp_path):
+    with pytest.raises(
+        ValueError,
+        match=r"^unknown config.pbtxt parameters: 'decoding_lenght' \(did you mean 'decoding_length'\?\), "
+        r"'zzz'$",
+    ):
+        parse(tmp_path, decoding_lenght="8", zzz="1", EXECUTION_ENV_PATH="$$TRITON_MODEL_DIRECTORY/env")
+    config = parse(
+        tmp_path,
+        EXECUTION_ENV_PATH="$$TRITON_MODEL_DIRECTORY/env",
+        FORCE_CPU_ONLY_INPUT_TENSORS="no",
+        ENABLE_VLLM_HEALTH_CHECK="true",
+        REPORT_CUSTOM_METRICS="false",
+    )
+    assert config.report_custom_metrics is False
 
 
 def test_from_triton_args_reads_the_model_config_json(tmp_path):
@@ -163,7 +175,6 @@ def test_from_triton_args_reads_the_model_config_json(tmp_path):
 @pytest.mark.parametrize(("model", "use_lookahead"), [("lookahead", True), ("baseline", False)])
 def test_shipped_configs_parse_without_unknown_parameters(model, use_lookahead):
     config = parse_parameters(pbtxt_parameters(model), model_dir=MODEL_REPOSITORY / model, model_name=model)
-    assert config.ignored_parameters == ()
     assert config.lookahead.use_lookahead is use_lookahead
     assert config.model == DEFAULT_MODEL
     assert config.trie_state_dir == PROJECT_ROOT / ".state" / model
@@ -180,7 +191,6 @@ def test_lookahead_model_replaces_every_models_model_parameter(model, monkeypatc
     monkeypatch.setenv("LOOKAHEAD_MODEL", "qwen2.5-coder-0.5b-instruct")
     config = parse_parameters(pbtxt_parameters(model), model_dir=MODEL_REPOSITORY / model, model_name=model)
     assert config.model == "qwen2.5-coder-0.5b-instruct"
-    assert config.ignored_parameters == ()
 
 
 def test_stop_words_are_a_json_list_of_strings_and_ids(tmp_path):

@@ -472,7 +472,9 @@ def test_a_cancelled_request_stops_within_one_step_and_gets_one_cancelled_final(
     assert (updates[-1].failure, updates[-1].message) == (FailureCode.CANCELLED, "Request was cancelled")
     assert decoder.generations["c"].closed
     assert decoder.order == ["c", "c"]
-    assert "Cancelling request req-c" in recorder.info
+    # The vLLM backend's log lines, which its cancellation test reads.
+    assert "[vllm] Cancelling the request req-c" in recorder.info
+    assert "[vllm] Successfully cancelled the request req-c" in recorder.info
 
 
 def test_a_failing_step_ends_only_that_request():
@@ -768,6 +770,18 @@ def test_prompt_and_max_tokens_must_fit_the_models_context():
         parse_request(
             DictInputs({"text_input": strings("Hello")}, {"max_tokens": 26}), limits, tokenize, check
         )
+
+
+def test_without_max_output_tokens_only_the_context_bounds_max_tokens():
+    """vLLM's rule (max_output_tokens 0, the default): max_tokens 1500 is fine on a 2048-token model."""
+    limits = RequestLimits(LIMITS.lookahead, max_prompt_tokens=20, max_output_tokens=0, context_length=2048)
+    assert parse(limits=limits).sampling.max_tokens == SamplingParams.max_tokens
+    wide = parse(limits=limits, sampling_parameters=sampling({"max_tokens": 1500}))
+    assert wide.sampling.max_tokens == 1500
+    short = RequestLimits(LIMITS.lookahead, max_prompt_tokens=20, max_output_tokens=0, context_length=30)
+    assert parse(limits=short).sampling.max_tokens == 25  # what the context leaves after the prompt
+    with pytest.raises(RequestError, match="max_tokens must be <= 64 on this model, got 65"):
+        parse(sampling_parameters=sampling({"max_tokens": 65}))  # a set max_output_tokens still bounds it
 
 
 def test_return_cumulative_logprob_alone_computes_logprobs_but_reports_none():

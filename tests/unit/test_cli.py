@@ -165,8 +165,12 @@ def test_prepare_converts_the_default_model_unless_told_others(capsys, monkeypat
     import lookahead.cli as cli
 
     prepared: list[str] = []
+    searched: list[str] = []
     monkeypatch.setattr(cli, "prepare_embedded_model", lambda name: prepared.append(name) or f"/cache/{name}")
+    monkeypatch.setattr(cli, "prepare_integer_forms", lambda name: searched.append(name) or "searched")
     assert main(["prepare"]) == 0
-    assert capsys.readouterr().out.startswith("smollm2-135m-instruct: /cache/smollm2-135m-instruct\n")
+    out = capsys.readouterr().out
+    assert out.startswith("smollm2-135m-instruct: /cache/smollm2-135m-instruct\n")
+    assert out.endswith("smollm2-135m-instruct: searched\n")
     assert main(["prepare", "qwen2.5-coder-0.5b-instruct"]) == 0
-    assert prepared == ["smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct"]
+    assert prepared == searched == ["smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct"]

@@ -139,7 +139,13 @@ class _FakeGenerateHandler(BaseHTTPRequestHandler):
         else:
             self._events(
                 [
-                    {"model_name": "m", "text_output": "Hel", "num_output_tokens": 2, "num_input_tokens": 3},
+                    {
+                        "model_name": "m",
+                        "text_output": "Hel",
+                        "num_output_tokens": 2,
+                        "num_input_tokens": 3,
+                        "finish_reason": "None",
+                    },
                     {
                         "text_output": "lo",
                         "num_output_tokens": 1,
@@ -184,7 +190,7 @@ def test_http_stream_parses_server_sent_events(fake_http_server: str) -> None:
     chunks = list(LookaheadClient(url=fake_http_server, protocol="http", model="m").stream("hi"))
     assert [chunk.text for chunk in chunks] == ["Hel", "lo"]
     assert chunks[0].num_input_tokens == 3
-    assert chunks[-1].finish_reason == "length"
+    assert [chunk.finish_reason for chunk in chunks] == [None, "length"]  # "None" (vLLM's) is no reason
     assert chunks[-1].perf == {"num_decoding_steps": 2}
     assert 0 < chunks[0].seconds <= chunks[1].seconds
 

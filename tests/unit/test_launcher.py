@@ -104,16 +104,15 @@ def test_free_port_can_be_bound() -> None:
 def test_model_override_passes_an_embedded_name_or_a_folder_as_an_absolute_path(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from lookahead.models import embedded
-
     prepared: list[str] = []
-    monkeypatch.setattr(embedded, "prepare_embedded_model", prepared.append)
+    monkeypatch.setattr(launcher, "prepare_model", prepared.append)
     assert launcher.model_override("qwen2.5-coder-0.5b-instruct") == "qwen2.5-coder-0.5b-instruct"
-    assert prepared == ["qwen2.5-coder-0.5b-instruct"]  # converted before any instance starts
     (tmp_path / "my-model").mkdir()
     (tmp_path / "my-model" / "config.json").write_text("{}")
     monkeypatch.chdir(tmp_path)
     assert launcher.model_override("my-model") == str(tmp_path / "my-model")
+    # Prepared before any instance starts, by the absolute path the instances get.
+    assert prepared == ["qwen2.5-coder-0.5b-instruct", str(tmp_path / "my-model")]
     with pytest.raises(TritonServerError, match="'no-such-model' is neither an embedded model"):
         launcher.model_override("no-such-model")
 
