@@ -92,7 +92,8 @@ class Generation:
         self.calibration = Calibration(shared.ratio, shared.side_ratio, rate=REQUEST_CALIBRATION_RATE)
         # min_tokens keeps EOS out even with ignore_eos, as vLLM does.
         suppressed = (*decoder.eos_token_ids, *params.stop_token_ids)
-        self.selector = TokenSelector(params, prompt_ids, suppressed, decoder.device)
+        grammar = decoder.grammar_matcher(params.structured_outputs)
+        self.selector = TokenSelector(params, prompt_ids, suppressed, decoder.device, grammar)
         self.detokenizer = Detokenizer(
             decoder.tokenizer,
             prompt_ids,
@@ -222,6 +223,8 @@ class Generation:
             stop_tokens=self.stop_tokens,
             stop_words=self.stop_words,
         )
+        if self.selector.grammar is not None:  # nodes the grammar forbids would only be rejected
+            draft = self.selector.grammar.prune(draft)
         self.stats.retrieval_seconds.append(time.perf_counter() - started)
         return draft
 
