@@ -131,7 +131,9 @@ class StructuredOutputs:
     @property
     def name(self) -> str:
         """The request key that set it, e.g. structured_outputs.json, for messages."""
-        return f"{self.key}.{self.kind}" if self.key in ("structured_outputs", "guided_decoding") else self.key
+        return (
+            f"{self.key}.{self.kind}" if self.key in ("structured_outputs", "guided_decoding") else self.key
+        )
 
 
 @dataclass(frozen=True)

@@ -93,7 +93,9 @@ def _person(rng: random.Random) -> tuple[str, dict[str, Any]]:
     name, age, city = _name(rng), rng.randint(21, 79), rng.choice(CITIES)
     job = rng.choice(("an engineer", "a teacher", "a nurse", "a pilot", "a chemist"))
     mail = f"{name.split()[0].lower()}.{name.split()[1].lower()}@example.org"
-    text = f"{name} is {age} years old and works as {job} in {city}. You can reach {name.split()[0]} at {mail}."
+    text = (
+        f"{name} is {age} years old and works as {job} in {city}. You can reach {name.split()[0]} at {mail}."
+    )
     return text, _PERSON
 
 
@@ -119,7 +121,11 @@ def _event(rng: random.Random) -> tuple[str, dict[str, Any]]:
 
 def _book(rng: random.Random) -> tuple[str, dict[str, Any]]:
     genre = rng.choice(GENRES)
-    title = f"The {rng.choice(('Silent', 'Last', 'Hidden', 'Endless'))} {rng.choice(('River', 'Tower', 'Garden'))}"
+    adjective, noun = (
+        rng.choice(("Silent", "Last", "Hidden", "Endless")),
+        rng.choice(("River", "Tower", "Garden")),
+    )
+    title = f"The {adjective} {noun}"
     text = (
         f'"{title}" is a {genre} novel by {_name(rng)}, first published in {rng.randint(1950, 2024)}; '
         f"it runs to {rng.randint(150, 600)} pages."

@@ -72,7 +72,11 @@ class LookaheadDecoder:
         cost_prior: Mapping[int, float] | None = None,
     ):
         DecoderConfig(
-            step_token_budget, max_speculative_batch, prefix_cache_tokens, kv_cache_bytes, grammar_compile_timeout_s
+            step_token_budget,
+            max_speculative_batch,
+            prefix_cache_tokens,
+            kv_cache_bytes,
+            grammar_compile_timeout_s,
         )  # validates
         self.model = model
         self.tokenizer = tokenizer
@@ -89,7 +93,9 @@ class LookaheadDecoder:
         self.vocab_size = model.get_input_embeddings().num_embeddings
         self.context_length: int | None = getattr(model.config, "max_position_embeddings", None)
         self.kv_cache_bytes = kv_cache_bytes
-        self.grammars = GrammarCompiler(tokenizer, self.eos_token_ids, self.vocab_size, grammar_compile_timeout_s)
+        self.grammars = GrammarCompiler(
+            tokenizer, self.eos_token_ids, self.vocab_size, grammar_compile_timeout_s
+        )
         self._kv_bytes_per_token: int | None = None
         self.pool = KVPool()
         self.prefix_cache = PrefixCache(prefix_cache_tokens)

@@ -92,7 +92,9 @@ class GrammarCompiler:
                         self._hf_tokenizer, n_vocab=self.vocab_size, eos_token=self._eos or None
                     )
                 except Exception as error:
-                    raise ValueError(f"this model's tokenizer cannot run structured outputs: {error}") from None
+                    raise ValueError(
+                        f"this model's tokenizer cannot run structured outputs: {error}"
+                    ) from None
             return self._tokenizer
 
 

@@ -95,5 +95,7 @@ class GrammarMatcher:
             del self._path[common:]
         for token in path[common:]:
             if not self._matcher.consume_token(token):
-                raise RuntimeError(f"structured output: draft token {token} refused: {self._matcher.get_error()}")
+                raise RuntimeError(
+                    f"structured output: draft token {token} refused: {self._matcher.get_error()}"
+                )
             self._path.append(token)

@@ -149,7 +149,10 @@ def test_min_tokens_yields_to_a_complete_grammar(peaky, tokenizer) -> None:
     [
         (StructuredOutputs("regex", "(ab"), "structured_outputs.regex: .*unclosed group"),
         (StructuredOutputs("json", json.dumps({"type": "objectx"})), "structured_outputs.json: .*objectx"),
-        (StructuredOutputs("grammar", "start: undefined_rule", key="guided_decoding"), "guided_decoding.grammar: "),
+        (
+            StructuredOutputs("grammar", "start: undefined_rule", key="guided_decoding"),
+            "guided_decoding.grammar: ",
+        ),
         (StructuredOutputs("regex", "(?=a)b", key="guided_regex"), "guided_regex: .*look-around"),
     ],
 )
@@ -165,7 +168,9 @@ def test_compiles_are_cached_per_constraint_and_bounded_in_time(tokenizer) -> No
     # A schema whose grammar takes long to build: thousands of alternatives.
     huge = {"enum": [f"value number {i} of a long list" for i in range(20_000)]}
     compiler.timeout_s = 0.05
-    with pytest.raises(ValueError, match=r"structured_outputs.json: the grammar did not compile within 0.05 s"):
+    with pytest.raises(
+        ValueError, match=r"structured_outputs.json: the grammar did not compile within 0.05 s"
+    ):
         compiler.compile(StructuredOutputs("json", json.dumps(huge)))
 
 
@@ -176,11 +181,18 @@ def test_the_default_model_extracts_json_that_parses_losslessly(default_model) -
     ids = tokenizer.apply_chat_template(
         [{"role": "user", "content": prompt.instruction}], add_generation_prompt=True, return_dict=False
     )
-    params = SamplingParams(max_tokens=96, structured_outputs=StructuredOutputs("json", json.dumps(prompt.schema)))
+    params = SamplingParams(
+        max_tokens=96, structured_outputs=StructuredOutputs("json", json.dumps(prompt.schema))
+    )
     plain = run(decoder, ids, params, LookaheadConfig(use_lookahead=False))
     drafted = run(decoder, ids, params)
     assert drafted.output_ids == plain.output_ids
     assert drafted.finish_reason == "stop"
-    assert schema_errors(json.loads(tokenizer.decode(drafted.output_ids, skip_special_tokens=True)), prompt.schema) == []
+    assert (
+        schema_errors(
+            json.loads(tokenizer.decode(drafted.output_ids, skip_special_tokens=True)), prompt.schema
+        )
+        == []
+    )
     assert drafted.stats.accepted_draft_tokens > 0
     assert drafted.stats.steps < len(drafted.output_ids) - 1
