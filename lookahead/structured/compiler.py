@@ -1,9 +1,10 @@
 """Constraints -> compiled grammars (llguidance), cached per constraint and bounded in time.
 
-llguidance builds its token trie once per tokenizer and compiles a grammar lazily, with parser
+llguidance builds its token trie once per tokenizer and a grammar when its first matcher is made, with parser
 limits bounding the grammar's size and each step's work, so a pathological schema fails instead
 of growing. A compile runs on a thread of its own (llguidance releases the GIL) and the caller
-waits at most `timeout_s`: requests are checked, hence compiled, on Triton's request threads,
+waits at most `timeout_s` (a compile past it finishes in the background, within the parser
+limits, and is dropped): requests are checked, hence compiled, on Triton's request threads,
 never on the engine thread, which finds the grammar in the cache.
 """
 
@@ -49,7 +50,8 @@ class GrammarCompiler:
         self.vocab_size = vocab_size
         self.timeout_s = timeout_s
         self._tokenizer: llguidance.LLTokenizer | None = None
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the cache
+        self._tokenizer_lock = threading.Lock()
         self._cache: OrderedDict[StructuredOutputs, CompiledGrammar] = OrderedDict()
 
     def compile(self, spec: StructuredOutputs) -> CompiledGrammar:
@@ -58,9 +60,10 @@ class GrammarCompiler:
             if spec in self._cache:
                 self._cache.move_to_end(spec)
                 return self._cache[spec]
+        tokenizer = self.tokenizer(spec)
         outcome: list[CompiledGrammar | Exception] = []
         worker = threading.Thread(
-            target=lambda: outcome.append(self._build(spec)), name="lookahead-grammar", daemon=True
+            target=lambda: outcome.append(_build(tokenizer, spec)), name="lookahead-grammar", daemon=True
         )
         worker.start()
         worker.join(self.timeout_s)
@@ -74,28 +77,31 @@ class GrammarCompiler:
                 self._cache.popitem(last=False)
         return outcome[0]
 
-    def _build(self, spec: StructuredOutputs) -> CompiledGrammar | Exception:
-        try:
-            template = llguidance.LLMatcher(self.tokenizer(), _grammar(spec), log_level=0)
-        except Exception as error:  # a refused constraint, reported by the caller
-            return error
-        if template.is_error():
-            return ValueError(_reason(template.get_error()))
-        return CompiledGrammar(template)
-
-    def tokenizer(self) -> llguidance.LLTokenizer:
-        """llguidance's view of the tokenizer, built on first use (~0.5 s)."""
-        with self._lock:
+    def tokenizer(self, spec: StructuredOutputs | None = None) -> llguidance.LLTokenizer:
+        """llguidance's view of the tokenizer, built once, on the first constraint's thread (~0.5 s;
+        the cache stays readable meanwhile). spec: the constraint to name in an error."""
+        with self._tokenizer_lock:
             if self._tokenizer is None:
                 try:
                     self._tokenizer = llguidance.hf.from_tokenizer(
                         self._hf_tokenizer, n_vocab=self.vocab_size, eos_token=self._eos or None
                     )
                 except Exception as error:
+                    key = spec.name if spec is not None else "structured outputs"
                     raise ValueError(
-                        f"this model's tokenizer cannot run structured outputs: {error}"
+                        f"{key}: this model's tokenizer cannot run structured outputs: {error}"
                     ) from None
             return self._tokenizer
+
+
+def _build(tokenizer: llguidance.LLTokenizer, spec: StructuredOutputs) -> CompiledGrammar | Exception:
+    try:
+        template = llguidance.LLMatcher(tokenizer, _grammar(spec), log_level=0)
+    except Exception as error:  # a refused constraint, reported by the caller
+        return error
+    if template.is_error():
+        return ValueError(_reason(template.get_error()))
+    return CompiledGrammar(template)
 
 
 def _grammar(spec: StructuredOutputs) -> str:
