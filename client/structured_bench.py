@@ -2,8 +2,11 @@
 decoding (the baseline model, same schema) and against lookahead without one, on the
 JSON-extraction prompt set (lookahead/benchmarks/json_extraction.py, a schema per prompt).
 
-Requests run one at a time over gRPC, greedy, each prompt through the three settings in turn, so
-the ratios come from the same minutes of the machine. Every constrained output is checked: it
+Requests run one at a time over gRPC streaming, greedy, each prompt through the three settings in
+turn, so the ratios come from the same minutes of the machine; one short request per model first
+warms it. Rates are given end to end and for decoding alone (after the first response, which
+holds the prefill: the prefix cache spares the unconstrained run the prompt the constrained
+lookahead run has just prefilled). Every constrained output is checked: it
 must parse and conform to its schema, and lookahead's must equal the baseline's.
 
     python -m scripts.bench_structured --start-server --prompts 8
@@ -23,7 +26,7 @@ from transformers import AutoTokenizer
 from backend.launcher import TritonServerError
 from lookahead.benchmarks.json_extraction import json_extraction_prompts, schema_errors
 
-from .api import LookaheadClient
+from .api import Completion, LookaheadClient
 from .genai_perf import served_tokenizer
 from .load_test import REPO_ROOT, server_url, write_csv
 
@@ -40,6 +43,8 @@ class Run:
     prompt: int
     output_tokens: int
     seconds: float
+    decode_tokens: int  # after the first response
+    decode_seconds: float
     steps: int
     accepted_draft_tokens: int
     finish_reason: str
@@ -68,17 +73,22 @@ def conforms(text: str, schema: dict) -> bool:
 
 
 def run_prompts(url: str, prompts: list[tuple[str, dict]], max_tokens: int) -> list[Run]:
+    for model in {model for _, model, _ in SETTINGS}:
+        LookaheadClient(url, model=model).generate("Hello", max_tokens=4)
     runs = []
     for index, (prompt, schema) in enumerate(prompts):
         for setting, model, constrained in SETTINGS:
             extra = {"structured_outputs": {"json": schema}} if constrained else {}
-            reply = LookaheadClient(url, model=model).generate(prompt, max_tokens=max_tokens, **extra)
+            chunks = list(LookaheadClient(url, model=model).stream(prompt, max_tokens=max_tokens, **extra))
+            reply = Completion.from_chunks(chunks)
             runs.append(
                 Run(
                     setting,
                     index,
                     reply.num_output_tokens,
                     reply.total_seconds or 0.0,
+                    reply.num_output_tokens - chunks[0].num_output_tokens,
+                    chunks[-1].seconds - chunks[0].seconds,
                     int(reply.perf.get("num_decoding_steps", 0)),
                     int(reply.perf.get("total_accepted_draft_tokens", 0)),
                     reply.finish_reason or "",
@@ -95,23 +105,34 @@ def run_prompts(url: str, prompts: list[tuple[str, dict]], max_tokens: int) -> l
 
 def summary(runs: Sequence[Run]) -> str:
     """The table: output tokens/s per setting, x the baseline with the grammar."""
-    rows, rates = [], {}
+    rows = []
     for setting, _, _ in SETTINGS:
         mine = [run for run in runs if run.setting == setting]
         tokens, seconds = sum(r.output_tokens for r in mine), sum(r.seconds for r in mine)
-        rates[setting] = tokens / seconds if seconds else 0.0
+        decode_tokens, decode_seconds = (
+            sum(r.decode_tokens for r in mine),
+            sum(r.decode_seconds for r in mine),
+        )
         steps = sum(r.steps for r in mine)
-        per_step = (tokens - len(mine)) / steps if steps else 0.0
-        valid = sum(r.conforms for r in mine)
-        rows.append((setting, len(mine), tokens, seconds, rates[setting], per_step, valid))
-    base = rates[SETTINGS[0][0]] or 1.0
-    header = ("setting", "requests", "output tokens", "seconds", "tokens/s", "x baseline + grammar")
-    header += ("tokens/step", "conforming")
+        rows.append(
+            (
+                setting,
+                len(mine),
+                tokens,
+                tokens / seconds if seconds else 0.0,
+                decode_tokens / decode_seconds if decode_seconds else 0.0,
+                (tokens - len(mine)) / steps if steps else 0.0,
+                sum(r.conforms for r in mine),
+            )
+        )
+    base, base_decode = rows[0][3] or 1.0, rows[0][4] or 1.0
+    header = ("setting", "requests", "output tokens", "tokens/s (x baseline + grammar)")
+    header += ("decoding tokens/s (x)", "tokens/step", "conforming")
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for setting, count, tokens, seconds, rate, per_step, valid in rows:
+    for setting, count, tokens, rate, decode_rate, per_step, valid in rows:
         lines.append(
-            f"| {setting} | {count} | {tokens} | {seconds:.1f} | {rate:.1f} | {rate / base:.2f}x "
-            f"| {per_step:.2f} | {valid}/{count} |"
+            f"| {setting} | {count} | {tokens} | {rate:.1f} ({rate / base:.2f}x) "
+            f"| {decode_rate:.1f} ({decode_rate / base_decode:.2f}x) | {per_step:.2f} | {valid}/{count} |"
         )
     return "\n".join(lines)
 

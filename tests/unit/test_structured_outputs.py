@@ -196,3 +196,22 @@ def test_the_default_model_extracts_json_that_parses_losslessly(default_model) -
     )
     assert drafted.stats.accepted_draft_tokens > 0
     assert drafted.stats.steps < len(drafted.output_ids) - 1
+
+
+def test_schema_errors_finds_what_breaks_a_schema() -> None:
+    schema = json_extraction_prompts(2)[1].schema  # an order: nested objects in an array
+    good = {
+        "order_id": "A-1",
+        "customer": "Ada",
+        "items": [{"product": "webcam", "quantity": 2}],
+        "express": True,
+    }
+    assert schema_errors(good, schema) == []
+    bad = {"order_id": 7, "customer": "Ada", "items": [{"product": "webcam", "quantity": True}] * 4, "x": 1}
+    assert schema_errors(bad, schema) == [
+        "$: missing express",
+        "$.order_id: expected string, got int",
+        "$.items: more than 3 items",
+        *["$.items[%d].quantity: expected integer, got bool" % i for i in range(4)],
+        "$: unexpected x",
+    ]
