@@ -221,7 +221,7 @@ def _constraint(key: str, kind: str, value: Any, name: str, any_whitespace: bool
             schema = {} if schema else {"not": {}}
         if not isinstance(schema, dict):
             raise ValueError(f"{name} must be a JSON schema (an object, or its JSON text), got {value!r}")
-        text = json.dumps(schema, sort_keys=True)
+        text = json.dumps(schema)  # property order is the output's order
     elif kind == "choice":
         choices = _json(value)
         if not isinstance(choices, list) or not choices or not all(isinstance(c, str) for c in choices):

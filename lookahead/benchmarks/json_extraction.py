@@ -24,11 +24,11 @@ GENRES = ("mystery", "fantasy", "history", "poetry", "science fiction")
 _PERSON = {
     "type": "object",
     "properties": {
-        "name": {"type": "string"},
+        "name": {"type": "string", "maxLength": 40},
         "age": {"type": "integer"},
-        "city": {"type": "string"},
-        "occupation": {"type": "string"},
-        "email": {"type": "string"},
+        "city": {"type": "string", "maxLength": 40},
+        "occupation": {"type": "string", "maxLength": 40},
+        "email": {"type": "string", "maxLength": 40},
     },
     "required": ["name", "age", "city", "occupation", "email"],
     "additionalProperties": False,
@@ -36,14 +36,17 @@ _PERSON = {
 _ORDER = {
     "type": "object",
     "properties": {
-        "order_id": {"type": "string"},
-        "customer": {"type": "string"},
+        "order_id": {"type": "string", "maxLength": 40},
+        "customer": {"type": "string", "maxLength": 40},
         "items": {
             "type": "array",
             "maxItems": 3,
             "items": {
                 "type": "object",
-                "properties": {"product": {"type": "string"}, "quantity": {"type": "integer"}},
+                "properties": {
+                    "product": {"type": "string", "maxLength": 40},
+                    "quantity": {"type": "integer"},
+                },
                 "required": ["product", "quantity"],
                 "additionalProperties": False,
             },
@@ -56,10 +59,10 @@ _ORDER = {
 _EVENT = {
     "type": "object",
     "properties": {
-        "title": {"type": "string"},
+        "title": {"type": "string", "maxLength": 40},
         "date": {"type": "string", "pattern": "^[0-9]{4}-[0-9]{2}-[0-9]{2}$"},
-        "city": {"type": "string"},
-        "speakers": {"type": "array", "maxItems": 3, "items": {"type": "string"}},
+        "city": {"type": "string", "maxLength": 40},
+        "speakers": {"type": "array", "maxItems": 3, "items": {"type": "string", "maxLength": 40}},
         "online": {"type": "boolean"},
     },
     "required": ["title", "date", "city", "speakers", "online"],
@@ -68,8 +71,8 @@ _EVENT = {
 _BOOK = {
     "type": "object",
     "properties": {
-        "title": {"type": "string"},
-        "author": {"type": "string"},
+        "title": {"type": "string", "maxLength": 40},
+        "author": {"type": "string", "maxLength": 40},
         "year": {"type": "integer"},
         "genre": {"enum": list(GENRES)},
         "pages": {"type": "integer"},
@@ -150,7 +153,7 @@ def json_extraction_prompts(count: int, seed: int = 0) -> list[ExtractionPrompt]
 
 def schema_errors(value: Any, schema: dict[str, Any], where: str = "$") -> list[str]:
     """Where `value` breaks `schema` (type, enum, properties, required, additionalProperties, items,
-    maxItems; a pattern is not checked): an empty list when it conforms."""
+    maxItems, maxLength; a pattern is not checked): an empty list when it conforms."""
     if "enum" in schema:
         return [] if value in schema["enum"] else [f"{where}: {value!r} not in {schema['enum']}"]
     kind = schema.get("type")
@@ -175,6 +178,8 @@ def schema_errors(value: Any, schema: dict[str, Any], where: str = "$") -> list[
                 errors += schema_errors(item, properties[key], f"{where}.{key}")
             elif schema.get("additionalProperties") is False:
                 errors.append(f"{where}: unexpected {key}")
+    elif kind == "string" and len(value) > schema.get("maxLength", len(value)):
+        errors.append(f"{where}: longer than {schema['maxLength']} characters")
     elif kind == "array":
         if len(value) > schema.get("maxItems", len(value)):
             errors.append(f"{where}: more than {schema['maxItems']} items")

@@ -793,11 +793,11 @@ SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}}
     [
         (
             {"structured_outputs": {"json": SCHEMA}},
-            StructuredOutputs("json", json.dumps(SCHEMA, sort_keys=True)),
+            StructuredOutputs("json", json.dumps(SCHEMA)),
         ),
         (
             {"structured_outputs": json.dumps({"json": json.dumps(SCHEMA)})},
-            StructuredOutputs("json", json.dumps(SCHEMA, sort_keys=True)),
+            StructuredOutputs("json", json.dumps(SCHEMA)),
         ),
         (
             {"structured_outputs": {"regex": "a+", "backend": "xgrammar", "json": None}},
@@ -821,13 +821,17 @@ SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}}
                     "whitespace_pattern": None,
                 }
             },
-            StructuredOutputs("json", json.dumps(SCHEMA, sort_keys=True)),
+            StructuredOutputs("json", json.dumps(SCHEMA)),
         ),
         (
             {"guided_json": json.dumps(SCHEMA), "guided_decoding_backend": "outlines"},
-            StructuredOutputs("json", json.dumps(SCHEMA, sort_keys=True)),
+            StructuredOutputs("json", json.dumps(SCHEMA)),
         ),
         ({"guided_regex": "[0-9]+"}, StructuredOutputs("regex", "[0-9]+")),
+        (  # the schema's property order is the output's: kept as sent
+            {"guided_json": '{"properties": {"zeta": {}, "alpha": {}}}'},
+            StructuredOutputs("json", '{"properties": {"zeta": {}, "alpha": {}}}'),
+        ),
         ({"guided_choice": ["x"]}, StructuredOutputs("choice", '["x"]')),
         ({"guided_json_object": True}, StructuredOutputs("json_object")),
         ({"structured_outputs": {}, "guided_decoding": ""}, None),
