@@ -258,6 +258,7 @@ PARAMETERS: dict[str, tuple[tuple[str, ...], Callable[..., Any]]] = {
     "max_speculative_batch": (("decoder", "max_speculative_batch"), _int(minimum=0)),
     "prefix_cache_tokens": (("decoder", "prefix_cache_tokens"), _int(minimum=0)),
     "kv_cache_bytes": (("decoder", "kv_cache_bytes"), _int(minimum=0)),
+    "grammar_compile_timeout_s": (("decoder", "grammar_compile_timeout_s"), _float(minimum=0.0)),
     "trie_capacity": (("trie", "capacity"), _int(minimum=1)),
     "trie_depth": (("trie", "depth"), _int(minimum=2)),
     "trie_state_dir": (("trie_state_dir",), _path),

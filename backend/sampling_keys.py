@@ -15,6 +15,8 @@ import json
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from lookahead.config import STRUCTURED_KINDS, StructuredOutputs
+
 NO_EFFECT = object()  # an accepted-at-default key whose every value is accepted: vLLM ignores it too
 
 
@@ -152,8 +154,6 @@ ACCEPTED_AT_DEFAULT: dict[str, tuple[Callable[[str, Any], Any], Any]] = {
     "logits_processors": (as_json, ([],)),
     "allowed_token_ids": (as_json, ([],)),
     "bad_words": (as_json, ([],)),
-    "guided_decoding": (as_json, ({}, "")),
-    "structured_outputs": (as_json, ({}, "")),
     "lora_name": (to_str, ("",)),
     "thinking_token_budget": (to_int, (-1,)),
     "repetition_detection": (as_json, ({},)),
@@ -171,10 +171,95 @@ ACCEPTED_AT_DEFAULT: dict[str, tuple[Callable[[str, Any], Any], Any]] = {
     "skip_reading_prefix_cache": (as_json, NO_EFFECT),
 }
 
+# Structured outputs: vLLM's structured_outputs and its older guided_decoding (an object with one
+# of STRUCTURED_KINDS set), and the OpenAI server's guided_* request fields.
+STRUCTURED = ("structured_outputs", "guided_decoding")
+GUIDED = {f"guided_{kind}": kind for kind in STRUCTURED_KINDS}
+# Fields of vLLM's StructuredOutputsParams that change nothing here, at any value (a backend
+# choice, a fallback rule) or at their default.
+STRUCTURED_NEUTRAL = {
+    "backend": NO_EFFECT,
+    "_backend": NO_EFFECT,
+    "backend_was_auto": NO_EFFECT,
+    "disable_fallback": NO_EFFECT,
+    "disable_additional_properties": (False,),
+    "whitespace_pattern": (),
+    "structural_tag": (),
+    "_backend_was_auto": NO_EFFECT,
+}
+GUIDED_NEUTRAL = ("guided_decoding_backend", "guided_whitespace_pattern")
+
+
+def to_structured(name: str, value: Any) -> StructuredOutputs | None:
+    """A structured_outputs / guided_decoding object (or its JSON text); None when it sets nothing."""
+    value = _json(value)
+    if value == "" or value == {}:
+        return None
+    if not isinstance(value, dict):
+        raise ValueError(
+            f"{name} must be an object setting one of {', '.join(STRUCTURED_KINDS)}, got {value!r}"
+        )
+    for key, neutral in STRUCTURED_NEUTRAL.items():
+        if value.get(key) is not None and neutral is not NO_EFFECT and value[key] not in neutral:
+            raise ValueError(f"{name}.{key}={json.dumps(value[key])} is not supported by this model")
+    kinds = [kind for kind in STRUCTURED_KINDS if value.get(kind) not in (None, False)]
+    if len(kinds) != 1:
+        raise ValueError(
+            f"{name} must set exactly one of {', '.join(STRUCTURED_KINDS)}, got {', '.join(kinds) or 'none'}"
+        )
+    any_whitespace = not to_bool(
+        f"{name}.disable_any_whitespace", value.get("disable_any_whitespace") or False
+    )
+    return _constraint(name, kinds[0], value[kinds[0]], f"{name}.{kinds[0]}", any_whitespace)
+
+
+def _constraint(key: str, kind: str, value: Any, name: str, any_whitespace: bool = True) -> StructuredOutputs:
+    """One constraint's source, checked for its type; `name` names it in messages."""
+    if kind == "json":
+        schema = _json(value)
+        if isinstance(schema, bool):  # JSON Schema's true (anything) and false (nothing)
+            schema = {} if schema else {"not": {}}
+        if not isinstance(schema, dict):
+            raise ValueError(f"{name} must be a JSON schema (an object, or its JSON text), got {value!r}")
+        text = json.dumps(schema)  # property order is the output's order
+    elif kind == "choice":
+        choices = _json(value)
+        if not isinstance(choices, list) or not choices or not all(isinstance(c, str) for c in choices):
+            raise ValueError(f"{name} must be a non-empty list of strings, got {value!r}")
+        text = json.dumps(choices)
+    elif kind == "json_object":
+        if not to_bool(name, value):
+            raise ValueError(f"{name} must be true, got {value!r}")
+        text = ""
+    else:
+        if not isinstance(value, str) or not value.strip():
+            raise ValueError(f"{name} must be a non-empty string, got {value!r}")
+        text = value
+    return StructuredOutputs(kind, text, any_whitespace, key=key)
+
+
+def structured_outputs(options: Mapping[str, Any]) -> StructuredOutputs | None:
+    """The request's constraint from whichever key set it; ValueError when several do or it is bad."""
+    found = []
+    for key in STRUCTURED:
+        if options.get(key) is not None:
+            constraint = to_structured(key, options[key])
+            if constraint is not None:
+                found.append((key, constraint))
+    for key, kind in GUIDED.items():
+        if options.get(key) not in (None, False):
+            found.append((key, _constraint(key, kind, options[key], key)))
+    if len(found) > 1:
+        raise ValueError(f"{' and '.join(key for key, _ in found)} both constrain the output: send one")
+    return found[0][1] if found else None
+
+
 # truncate_prompt_tokens: keep only the prompt's last k tokens (vLLM's left truncation).
 TRUNCATE = "truncate_prompt_tokens"
 
-VLLM_KEYS = frozenset(SUPPORTED) | frozenset(ACCEPTED_AT_DEFAULT) | {TRUNCATE}
+VLLM_KEYS = (
+    frozenset(SUPPORTED) | frozenset(ACCEPTED_AT_DEFAULT) | {TRUNCATE, *STRUCTURED, *GUIDED, *GUIDED_NEUTRAL}
+)
 
 
 def sampling_fields(options: Mapping[str, Any]) -> tuple[dict[str, Any], int | None]:
@@ -203,4 +288,7 @@ def sampling_fields(options: Mapping[str, Any]) -> tuple[dict[str, Any], int | N
             truncate = to_int(key, value)
             if truncate < 1:
                 raise ValueError(f"{TRUNCATE} must be >= 1, got {truncate}")
+    constraint = structured_outputs(options)
+    if constraint is not None:
+        fields["structured_outputs"] = constraint
     return fields, truncate

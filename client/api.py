@@ -47,6 +47,7 @@ REQUEST_KEYS = (
     "skip_special_tokens",
     "logprobs",
     "prompt_logprobs",
+    "structured_outputs",
     "use_lookahead",
     "decoding_length",
     "branch_length",

@@ -108,6 +108,37 @@ def _number(name: str, value: Any, *, integer: bool = False) -> Any:
     return value
 
 
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass(frozen=True)
+class StructuredOutputs:
+    """A constraint on the output, as vLLM's structured_outputs names it: `kind` is one of
+    STRUCTURED_KINDS and `text` its source (a JSON schema as JSON text, a regex, the choices as a
+    JSON list of strings, a Lark or GBNF grammar; empty for json_object). any_whitespace: JSON may
+    hold any whitespace between tokens (vLLM's default; disable_any_whitespace turns it off).
+    key: the request key it came from, so that a compile error names it.
+    """
+
+    kind: str
+    text: str = ""
+    any_whitespace: bool = True
+    key: str = field(default="structured_outputs", compare=False)
+
+    def __post_init__(self) -> None:
+        _require(
+            self.kind in STRUCTURED_KINDS,
+            f"structured_outputs must set one of {', '.join(STRUCTURED_KINDS)}, got {self.kind!r}",
+        )
+
+    @property
+    def name(self) -> str:
+        """The request key that set it, e.g. structured_outputs.json, for messages."""
+        return (
+            f"{self.key}.{self.kind}" if self.key in ("structured_outputs", "guided_decoding") else self.key
+        )
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """What to generate, with vLLM's SamplingParams names and semantics; temperature 0 is greedy.
@@ -139,6 +170,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
         def set_(name: str, value: Any) -> None:
@@ -240,12 +272,15 @@ class DecoderConfig:
     (runtime/prefix_cache.py); 0 turns the cache off.
     kv_cache_bytes: most bytes the running requests' KV pool may hold, counted for each request's
     longest possible sequence (prompt + max_tokens + one draft); 0: no bound.
+    grammar_compile_timeout_s: longest a request's structured-output grammar may take to compile
+    (off the engine thread); a slower one is refused.
     """
 
     step_token_budget: int = 128
     max_speculative_batch: int = 0
     prefix_cache_tokens: int = 2048
     kv_cache_bytes: int = 2 * 1024**3
+    grammar_compile_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
         _require(self.step_token_budget >= 1, f"step_token_budget must be >= 1, got {self.step_token_budget}")
@@ -257,6 +292,10 @@ class DecoderConfig:
             self.prefix_cache_tokens >= 0, f"prefix_cache_tokens must be >= 0, got {self.prefix_cache_tokens}"
         )
         _require(self.kv_cache_bytes >= 0, f"kv_cache_bytes must be >= 0, got {self.kv_cache_bytes}")
+        _require(
+            self.grammar_compile_timeout_s > 0,
+            f"grammar_compile_timeout_s must be > 0, got {self.grammar_compile_timeout_s}",
+        )
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,8 @@ from ..algorithm.draft import Draft
 from ..algorithm.planner import Calibration, CostModel, plan_step
 from ..algorithm.trie import NGramTrie
 from ..algorithm.verify import verify
-from ..config import DecoderConfig, LookaheadConfig, SamplingParams, TrieConfig
+from ..config import DecoderConfig, LookaheadConfig, SamplingParams, StructuredOutputs, TrieConfig
+from ..structured import GrammarCompiler, GrammarMatcher
 from .generation import Generation, GenerationStats, Shared, StepOutput
 from .kv_pool import KVLayout, KVPool, PoolStep, accepted_moves, pow2
 from .output_layer import plain_output_layer
@@ -64,7 +65,8 @@ class _Work:
 class LookaheadDecoder:
     """Shared state of all requests served by one model instance (owned by one thread).
 
-    step_token_budget, max_speculative_batch, prefix_cache_tokens, kv_cache_bytes: see `DecoderConfig`.
+    step_token_budget, max_speculative_batch, prefix_cache_tokens, kv_cache_bytes,
+    grammar_compile_timeout_s: see `DecoderConfig`.
     cost_prior: the forward's relative cost by tokens fed on this execution path, which the cost
     model starts from (`LoadedModel.cost_prior`); None: the device's default curve.
     """
@@ -81,10 +83,15 @@ class LookaheadDecoder:
         max_speculative_batch: int = DecoderConfig.max_speculative_batch,
         prefix_cache_tokens: int = DecoderConfig.prefix_cache_tokens,
         kv_cache_bytes: int = DecoderConfig.kv_cache_bytes,
+        grammar_compile_timeout_s: float = DecoderConfig.grammar_compile_timeout_s,
         cost_prior: Mapping[int, float] | None = None,
     ):
         DecoderConfig(
-            step_token_budget, max_speculative_batch, prefix_cache_tokens, kv_cache_bytes
+            step_token_budget,
+            max_speculative_batch,
+            prefix_cache_tokens,
+            kv_cache_bytes,
+            grammar_compile_timeout_s,
         )  # validates
         self.model = model
         self.tokenizer = tokenizer
@@ -102,6 +109,9 @@ class LookaheadDecoder:
         self.context_length: int | None = getattr(model.config, "max_position_embeddings", None)
         self.kv_cache_bytes = kv_cache_bytes
         self._kv_layout: KVLayout | None = None
+        self.grammars = GrammarCompiler(
+            tokenizer, self.eos_token_ids, self.vocab_size, grammar_compile_timeout_s
+        )
         self._kv_bytes_per_token: int | None = None
         self.pool = KVPool()
         self.prefix_cache = PrefixCache(prefix_cache_tokens)
@@ -142,6 +152,7 @@ class LookaheadDecoder:
             max_speculative_batch=settings.max_speculative_batch,
             prefix_cache_tokens=settings.prefix_cache_tokens,
             kv_cache_bytes=settings.kv_cache_bytes,
+            grammar_compile_timeout_s=settings.grammar_compile_timeout_s,
             cost_prior=loaded.cost_prior,
         )
 
@@ -166,16 +177,20 @@ class LookaheadDecoder:
             step=lambda gen: self.step([gen])[0],
             release=self.pool.release,
         )
-        return Generation(shared, list(prompt_ids), params, config, request_id)
+        grammar = self.grammar_matcher(params.structured_outputs)
+        return Generation(shared, list(prompt_ids), params, config, request_id, grammar)
 
     def check_request(self, prompt_length: int, params: SamplingParams, lookahead: LookaheadConfig) -> None:
         """Raise ValueError for a request this decoder can never serve: an empty prompt, token ids
         outside the vocabulary, stop_words the tokenizer cannot resolve, more tokens than the model's
-        context, more KV than kv_cache_bytes."""
+        context, more KV than kv_cache_bytes, a structured-output constraint that does not compile
+        (compiled here, on the caller's thread, and cached for the engine's)."""
         if prompt_length < 1:
             raise ValueError("the prompt must contain at least one token")
         params.check_vocabulary(self.vocab_size)
         self.stop_word_ids(lookahead.stop_words)
+        if params.structured_outputs is not None:
+            self.grammars.compile(params.structured_outputs)
         total = prompt_length + params.max_tokens
         if self.context_length is not None and total > self.context_length:
             raise ValueError(
@@ -188,6 +203,10 @@ class LookaheadDecoder:
                 f"the prompt ({prompt_length} tokens) and max_tokens ({params.max_tokens}) need "
                 f"{needed} bytes of KV cache, more than kv_cache_bytes ({self.kv_cache_bytes})"
             )
+
+    def grammar_matcher(self, spec: StructuredOutputs | None) -> GrammarMatcher | None:
+        """A fresh matcher of a request's constraint (None without one)."""
+        return GrammarMatcher(self.grammars.compile(spec), self.vocab_size) if spec is not None else None
 
     @staticmethod
     def longest(prompt_length: int, params: SamplingParams, lookahead: LookaheadConfig) -> int:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -26,6 +26,9 @@ from ..config import LookaheadConfig, SamplingParams
 from .detokenizer import Detokenizer
 from .logprobs import PositionLogprobs, token_logprobs
 from .sampling import TokenSelector
+
+if TYPE_CHECKING:
+    from ..structured import GrammarMatcher
 
 # A request's own acceptance history soon outweighs the decoder's shared one.
 REQUEST_CALIBRATION_RATE = 0.15
@@ -89,6 +92,7 @@ class Generation:
         params: SamplingParams,
         config: LookaheadConfig,
         request_id: str = "",
+        grammar: GrammarMatcher | None = None,
     ):
         self.shared = shared
         self.request_id = request_id  # names the request in the debug log
@@ -108,7 +112,7 @@ class Generation:
         self.calibration = Calibration(common.ratio, common.side_ratio, rate=REQUEST_CALIBRATION_RATE)
         # min_tokens keeps EOS out even with ignore_eos, as vLLM does.
         suppressed = (*shared.eos_token_ids, *params.stop_token_ids)
-        self.selector = TokenSelector(params, prompt_ids, suppressed, shared.device)
+        self.selector = TokenSelector(params, prompt_ids, suppressed, shared.device, grammar)
         self.detokenizer = Detokenizer(
             shared.tokenizer,
             prompt_ids,
@@ -216,6 +220,8 @@ class Generation:
             stop_tokens=self.stop_tokens,
             stop_words=self.stop_words,
         )
+        if self.selector.grammar is not None:  # nodes the grammar forbids would only be rejected
+            draft = self.selector.grammar.prune(draft)
         self.stats.retrieval_seconds.append(time.perf_counter() - started)
         return draft
 

@@ -6,7 +6,8 @@ The selector keeps the committed part itself (counts of the output, the prompt's
 node costs one pass over its logits whatever the length of the history. Sampling draws exactly
 one multinomial sample per emitted token from a per-request generator, so a seeded lookahead run
 emits the same tokens as a seeded plain run: speculation changes how many forwards it takes,
-never what is sampled.
+never what is sampled. A structured-output grammar masks each node's row with the grammar state
+reached along that node's own path, so constrained output is plain constrained decoding's too.
 """
 
 from __future__ import annotations
@@ -17,12 +18,14 @@ from collections.abc import Sequence
 import torch
 
 from ..config import SamplingParams
+from ..structured import GrammarMatcher
 
 
 class TokenSelector:
     """Chooses the next token from one position's logits, for one request.
 
     stop_ids: the ids min_tokens keeps out (EOS and stop_token_ids, as vLLM masks them).
+    grammar: the request's structured-output matcher, if it has one.
     """
 
     def __init__(
@@ -31,8 +34,10 @@ class TokenSelector:
         prompt_ids: Sequence[int],
         stop_ids: Sequence[int],
         device: torch.device,
+        grammar: GrammarMatcher | None = None,
     ):
         self.params = params
+        self.grammar = grammar
         self.greedy = params.greedy
         self.device = device
         self.output_len = 0
@@ -56,11 +61,14 @@ class TokenSelector:
     def needs_path(self) -> bool:
         """Whether a node's choice depends on more than its own logits (so it cannot be batched)."""
         masking = self.suppressed is not None and self.output_len < self.params.min_tokens
-        return masking or self.bias is not None or self.params.penalized or not self.greedy
+        constrained = self.grammar is not None
+        return masking or constrained or self.bias is not None or self.params.penalized or not self.greedy
 
     def commit(self, tokens: Sequence[int]) -> None:
         """Tokens appended to the request's output."""
         self.output_len += len(tokens)
+        if self.grammar is not None:
+            self.grammar.commit(tokens)
         if self.params.penalized:
             self.pending.extend(tokens)
 
@@ -77,11 +85,16 @@ class TokenSelector:
         return greedy_tokens(logits)
 
     def process(self, path: Sequence[int], logits: torch.Tensor) -> torch.Tensor:
-        """The logits after min_tokens, logit_bias and the penalties, in vLLM's order (float32)."""
+        """The logits after the grammar, min_tokens, logit_bias and the penalties, in vLLM's order
+        (float32). Where the grammar permits only what min_tokens keeps out (its end), it wins."""
         params = self.params
         scores = logits.float().clone()
+        allowed = self.grammar.allowed(path, scores.device) if self.grammar is not None else None
+        if allowed is not None:
+            scores.masked_fill_(~allowed, -float("inf"))
         if self.suppressed is not None and self.output_len + len(path) < params.min_tokens:
-            scores[self.suppressed] = -float("inf")
+            if allowed is None or allowed.clone().index_fill_(0, self.suppressed, False).any():
+                scores[self.suppressed] = -float("inf")
         if self.bias is not None:
             scores.index_add_(0, self.bias[0], self.bias[1])
         if params.penalized:

@@ -21,7 +21,7 @@ from backend.request import (
     parse_request,
 )
 from lookahead.algorithm.trie import NGramTrie
-from lookahead.config import LookaheadConfig, SamplingParams
+from lookahead.config import LookaheadConfig, SamplingParams, StructuredOutputs
 from lookahead.runtime.decoder import GenerationStats, StepOutput
 from lookahead.state.keeper import TrieKeeper
 from lookahead.state.persistence import load_trie
@@ -678,8 +678,14 @@ def test_the_openai_frontends_defaults_are_accepted():
         ({"best_of": "3"}, 'best_of="3"'),
         ({"use_beam_search": "true"}, 'use_beam_search="true"'),
         ({"lora_name": "french"}, 'lora_name="french"'),
-        ({"guided_decoding": '{"json": {"type": "object"}}'}, "guided_decoding="),
-        ({"structured_outputs": {"regex": "a+"}}, "structured_outputs="),
+        (
+            {"structured_outputs": {"regex": "a+", "whitespace_pattern": " *"}},
+            'structured_outputs.whitespace_pattern=" *"',
+        ),
+        (
+            {"guided_decoding": {"choice": ["a"], "structural_tag": "{}"}},
+            'guided_decoding.structural_tag="{}"',
+        ),
         ({"allowed_token_ids": [1, 2]}, "allowed_token_ids=[1, 2]"),
         ({"bad_words": ["x"]}, 'bad_words=["x"]'),
         ({"detokenize": False}, "detokenize=false"),
@@ -790,3 +796,105 @@ def test_return_cumulative_logprob_alone_computes_logprobs_but_reports_none():
     assert not parse(
         return_cumulative_logprob=flag(True), sampling_parameters=sampling({"logprobs": 2})
     ).logprobs_hidden
+
+
+# Structured outputs: vLLM's structured_outputs / guided_decoding objects and guided_* keys
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}}
+
+
+@pytest.mark.parametrize(
+    ("options", "expected"),
+    [
+        (
+            {"structured_outputs": {"json": SCHEMA}},
+            StructuredOutputs("json", json.dumps(SCHEMA)),
+        ),
+        (
+            {"structured_outputs": json.dumps({"json": json.dumps(SCHEMA)})},
+            StructuredOutputs("json", json.dumps(SCHEMA)),
+        ),
+        (
+            {"structured_outputs": {"regex": "a+", "backend": "xgrammar", "json": None}},
+            StructuredOutputs("regex", "a+"),
+        ),
+        ({"structured_outputs": {"choice": ["yes", "no"]}}, StructuredOutputs("choice", '["yes", "no"]')),
+        ({"structured_outputs": {"grammar": 'start: "a"'}}, StructuredOutputs("grammar", 'start: "a"')),
+        (
+            {"structured_outputs": {"json_object": True, "disable_any_whitespace": True}},
+            StructuredOutputs("json_object", "", any_whitespace=False),
+        ),
+        (
+            {
+                "guided_decoding": {
+                    "json": SCHEMA,
+                    "regex": None,
+                    "choice": None,
+                    "grammar": None,
+                    "json_object": None,
+                    "backend": None,
+                    "whitespace_pattern": None,
+                }
+            },
+            StructuredOutputs("json", json.dumps(SCHEMA)),
+        ),
+        (
+            {"guided_json": json.dumps(SCHEMA), "guided_decoding_backend": "outlines"},
+            StructuredOutputs("json", json.dumps(SCHEMA)),
+        ),
+        ({"guided_regex": "[0-9]+"}, StructuredOutputs("regex", "[0-9]+")),
+        (  # the schema's property order is the output's: kept as sent
+            {"guided_json": '{"properties": {"zeta": {}, "alpha": {}}}'},
+            StructuredOutputs("json", '{"properties": {"zeta": {}, "alpha": {}}}'),
+        ),
+        ({"guided_choice": ["x"]}, StructuredOutputs("choice", '["x"]')),
+        ({"guided_json_object": True}, StructuredOutputs("json_object")),
+        ({"structured_outputs": {}, "guided_decoding": ""}, None),
+    ],
+)
+def test_structured_outputs_arrive_under_every_vllm_key(options, expected):
+    assert parse(sampling_parameters=sampling(options)).sampling.structured_outputs == expected
+
+
+def test_the_constraint_remembers_the_key_that_set_it():
+    constraint = parse(sampling_parameters=sampling({"guided_regex": "a"})).sampling.structured_outputs
+    assert constraint.name == "guided_regex"
+    constraint = parse(
+        sampling_parameters=sampling({"guided_decoding": {"regex": "a"}})
+    ).sampling.structured_outputs
+    assert constraint.name == "guided_decoding.regex"
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"structured_outputs": {"json": "{not json"}}, "structured_outputs.json must be a JSON schema"),
+        ({"structured_outputs": {"json": [1]}}, "structured_outputs.json must be a JSON schema"),
+        (
+            {"structured_outputs": {"regex": "a", "choice": ["a"]}},
+            "structured_outputs must set exactly one of .*got regex, choice",
+        ),
+        (
+            {"structured_outputs": {"backend": "guidance"}},
+            "structured_outputs must set exactly one of .*got none",
+        ),
+        ({"structured_outputs": 7}, "structured_outputs must be an object"),
+        (
+            {"structured_outputs": {"choice": []}},
+            "structured_outputs.choice must be a non-empty list of strings",
+        ),
+        ({"structured_outputs": {"grammar": " "}}, "structured_outputs.grammar must be a non-empty string"),
+        ({"guided_choice": "yes"}, "guided_choice must be a non-empty list of strings"),
+        (
+            {"guided_regex": "a", "structured_outputs": {"regex": "b"}},
+            "structured_outputs and guided_regex both constrain",
+        ),
+        (
+            {"structured_outputs": {"json": SCHEMA, "disable_additional_properties": True}},
+            "structured_outputs.disable_additional_properties=true",
+        ),
+    ],
+)
+def test_a_malformed_constraint_is_refused_naming_its_key(options, message):
+    with pytest.raises(RequestError, match=message):
+        parse(sampling_parameters=sampling(options))

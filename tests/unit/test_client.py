@@ -24,7 +24,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 
 def test_client_request_keys_match_the_server_contract() -> None:
     # The client spells the keys out to stay free of torch; this catches drift.
-    assert REQUEST_KEYS == tuple(SUPPORTED) + LOOKAHEAD_OVERRIDES
+    assert REQUEST_KEYS == (*SUPPORTED, "structured_outputs", *LOOKAHEAD_OVERRIDES)
     assert DECODING_MODES == SERVER_DECODING_MODES
 
 

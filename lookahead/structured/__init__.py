@@ -1,0 +1,6 @@
+"""Structured outputs: grammars compiled once per constraint, matched along every draft branch."""
+
+from .compiler import CompiledGrammar, GrammarCompiler
+from .matcher import GrammarMatcher
+
+__all__ = ["CompiledGrammar", "GrammarCompiler", "GrammarMatcher"]

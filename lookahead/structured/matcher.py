@@ -1,0 +1,101 @@
+"""One request's grammar state along every branch of its draft tree.
+
+The matcher holds the state after the request's committed tokens; a draft node's state is that
+state advanced by the node's own path (the draft tokens from the root to it), never by another
+branch. `prune` drops the nodes the grammar forbids before the forward, `allowed` gives the
+tokens permitted after a path (every verified node's row, the bonus token's included), `commit`
+advances by what the request emitted. Paths are followed by rolling back to the longest common
+prefix and consuming the rest, so walking a tree in its depth-first order costs one consume and
+one rollback per node.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..algorithm.draft import Draft
+from .compiler import CompiledGrammar
+
+
+@dataclass
+class GrammarStats:
+    """Where the grammar's time goes, for benchmarks: masks computed, draft nodes checked."""
+
+    masks: int = 0
+    mask_seconds: float = 0.0
+    checked_nodes: int = 0
+    pruned_nodes: int = 0
+    prune_seconds: float = 0.0
+
+
+class GrammarMatcher:
+    """The grammar of one request (not thread-safe: the engine thread owns it)."""
+
+    def __init__(self, compiled: CompiledGrammar, vocab_size: int):
+        self._matcher = compiled.matcher()
+        self._vocab_size = vocab_size
+        self._path: list[int] = []  # draft tokens consumed beyond the committed ones
+        self.stats = GrammarStats()
+
+    def prune(self, draft: Draft) -> Draft:
+        """The draft without the nodes the grammar forbids after their own path (and their subtrees)."""
+        started = time.perf_counter()
+        paths: list[list[int] | None] = [[]] + [None] * (len(draft) - 1)
+        for node in range(1, len(draft)):
+            parent = paths[draft.parents[node]]
+            if parent is None:
+                continue
+            self._follow(parent)
+            if self._matcher.try_consume_tokens([draft.tokens[node]]) == 1:
+                self._path.append(draft.tokens[node])
+                paths[node] = self._path.copy()
+        self._follow([])
+        keep = [node for node, path in enumerate(paths) if path is not None]
+        self.stats.checked_nodes += len(draft) - 1
+        self.stats.pruned_nodes += len(draft) - len(keep)
+        self.stats.prune_seconds += time.perf_counter() - started
+        return draft if len(keep) == len(draft) else draft.subset(keep)
+
+    def allowed(self, path: Sequence[int], device: torch.device) -> torch.Tensor:
+        """[vocab] bool: the tokens the grammar permits after the committed tokens and `path`."""
+        started = time.perf_counter()
+        self._follow(path)
+        if self._matcher.is_error():
+            raise RuntimeError(f"structured output: {self._matcher.get_error()}")
+        bits = np.frombuffer(self._matcher.compute_bitmask(), dtype=np.uint8)
+        mask = np.unpackbits(bits, bitorder="little")[: self._vocab_size].view(np.bool_)
+        self.stats.masks += 1
+        self.stats.mask_seconds += time.perf_counter() - started
+        return torch.from_numpy(mask).to(device)
+
+    def commit(self, tokens: Sequence[int]) -> None:
+        """Tokens appended to the output. Once the grammar is complete only its end (EOS) may follow,
+        which changes nothing (with ignore_eos the output goes on with EOS up to max_tokens)."""
+        self._follow([])
+        for token in tokens:
+            if self._matcher.is_stopped():
+                break
+            if not self._matcher.consume_token(token):
+                raise RuntimeError(f"structured output: token {token} refused: {self._matcher.get_error()}")
+
+    def _follow(self, path: Sequence[int]) -> None:
+        """Put the matcher in the state after `path`, whose every token the grammar accepts."""
+        common = 0
+        for mine, theirs in zip(self._path, path):
+            if mine != theirs:
+                break
+            common += 1
+        if common < len(self._path):
+            self._matcher.rollback(len(self._path) - common)
+            del self._path[common:]
+        for token in path[common:]:
+            if not self._matcher.consume_token(token):
+                raise RuntimeError(
+                    f"structured output: draft token {token} refused: {self._matcher.get_error()}"
+                )
+            self._path.append(token)

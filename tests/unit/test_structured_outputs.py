@@ -1,0 +1,217 @@
+"""Structured outputs under tree speculation: lossless against plain constrained decoding, drafts
+pruned by their own branch's grammar state, compile errors and bounds."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from lookahead import LookaheadConfig, LookaheadDecoder, NGramTrie, SamplingParams
+from lookahead.algorithm.draft import Draft
+from lookahead.benchmarks.json_extraction import json_extraction_prompts, schema_errors
+from lookahead.config import StructuredOutputs
+from lookahead.models.embedded import prepare_default_model
+from lookahead.structured import GrammarCompiler, GrammarMatcher
+
+VOCAB = 49152  # SmolLM2's tokenizer, on tiny random models of the same vocabulary
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "color": {"enum": ["red", "green", "blue"]},
+        "size": {"type": "integer", "minimum": 0, "maximum": 99},
+        "ok": {"type": "boolean"},
+    },
+    "required": ["color", "size", "ok"],
+    "additionalProperties": False,
+}
+CONSTRAINTS = {
+    "json": StructuredOutputs("json", json.dumps(SCHEMA), any_whitespace=False),
+    "regex": StructuredOutputs("regex", r"[a-z]{2,6}( [a-z]{2,6}){2}\."),
+    "choice": StructuredOutputs("choice", json.dumps(["alpha beta", "alpha gamma", "delta"])),
+    "grammar": StructuredOutputs("grammar", 'start: "x=" NUM ("," NUM)* ";"\nNUM: /[0-9]{1,3}/'),
+    "gbnf": StructuredOutputs("grammar", 'root ::= "(" [a-c]+ ")"'),
+}
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return AutoTokenizer.from_pretrained(prepare_default_model())
+
+
+@pytest.fixture(scope="module")
+def compiler(tokenizer):
+    return GrammarCompiler(tokenizer, [tokenizer.eos_token_id], VOCAB, timeout_s=30)
+
+
+@pytest.fixture
+def peaky(tiny_model):
+    """A tiny model of SmolLM2's vocabulary with sharp distributions, so that drafts of its own
+    constrained output are accepted."""
+    model = tiny_model("llama", vocab_size=VOCAB)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(12.0)
+    return model
+
+
+def conforms(kind: str, text: str) -> bool:
+    if kind == "json":
+        return not schema_errors(json.loads(text), SCHEMA)
+    if kind == "regex":
+        return re.fullmatch(r"[a-z]{2,6}( [a-z]{2,6}){2}\.", text) is not None
+    if kind == "choice":
+        return text in ("alpha beta", "alpha gamma", "delta")
+    if kind == "grammar":
+        return re.fullmatch(r"x=[0-9]{1,3}(,[0-9]{1,3})*;", text) is not None
+    return re.fullmatch(r"\([a-c]+\)", text) is not None
+
+
+def run(decoder: LookaheadDecoder, prompt: list[int], params: SamplingParams, lookahead=None):
+    gen = decoder.start(prompt, params, lookahead)
+    while not gen.finished:
+        gen.step()
+    return gen
+
+
+@pytest.mark.parametrize("kind", list(CONSTRAINTS))
+@pytest.mark.parametrize("sampling", [{}, {"temperature": 0.9, "seed": 3}], ids=["greedy", "seeded"])
+def test_lookahead_under_a_grammar_emits_plain_constrained_decoding(peaky, tokenizer, kind, sampling) -> None:
+    prompt = tokenizer.encode("Answer: ")
+    params = SamplingParams(max_tokens=40, structured_outputs=CONSTRAINTS[kind], **sampling)
+    eos = (tokenizer.eos_token_id,)
+    trie = NGramTrie(capacity=100_000, max_depth=12)
+    decoder = LookaheadDecoder(peaky, tokenizer, trie, LookaheadConfig(adaptive=False), eos)
+    plain = run(decoder, prompt, params, LookaheadConfig(use_lookahead=False))
+    assert plain.finish_reason == "stop", tokenizer.decode(plain.output_ids)
+    # Drafts: the model's own constrained output (accepted) and branches the grammar forbids.
+    for noise in ([11, 12, 13], tokenizer.encode(" nope {]"), [plain.output_ids[0], 7, 7]):
+        trie.insert(prompt[-3:] + noise)
+    trie.insert(prompt[-3:] + plain.output_ids)
+    drafted = run(decoder, prompt, params)
+    assert drafted.output_ids == plain.output_ids
+    assert drafted.finish_reason == "stop"
+    assert conforms(kind, tokenizer.decode(drafted.output_ids, skip_special_tokens=True))
+    assert drafted.stats.accepted_draft_tokens > 0
+    assert drafted.selector.grammar.stats.pruned_nodes > 0
+
+
+def test_prune_keeps_exactly_the_nodes_each_branch_allows(compiler, tokenizer) -> None:
+    spec = StructuredOutputs("choice", json.dumps(["yes!", "no?"]))
+    matcher = GrammarMatcher(compiler.compile(spec), VOCAB)
+    yes, no, bang, ask = (tokenizer.encode(t)[0] for t in ("yes", "no", "!", "?"))
+    assert tokenizer.encode("yes!") == [yes, bang] and tokenizer.encode("no?") == [no, ask]
+    # root -> yes -> {!, ?}; root -> no -> {?, !}; root -> ! (forbidden, with its child)
+    draft = Draft([0, yes, bang, ask, no, ask, bang, bang, yes], [-1, 0, 1, 1, 0, 4, 4, 0, 7])
+    pruned = matcher.prune(draft)
+    assert pruned.tokens == [0, yes, bang, no, ask]
+    assert pruned.parents == [-1, 0, 1, 0, 3]
+    assert matcher.stats.pruned_nodes == 4
+
+
+def test_each_row_is_masked_with_the_state_of_its_own_branch(compiler, tokenizer) -> None:
+    spec = StructuredOutputs("choice", json.dumps(["yes!", "no?"]))
+    matcher = GrammarMatcher(compiler.compile(spec), VOCAB)
+    yes, no, bang, ask = (tokenizer.encode(t)[0] for t in ("yes", "no", "!", "?"))
+    cpu = torch.device("cpu")
+    at_root = matcher.allowed([], cpu)
+    assert at_root[yes] and at_root[no] and not at_root[bang]
+    after_yes = matcher.allowed([yes], cpu)
+    after_no = matcher.allowed([no], cpu)  # rolled back from yes's branch, onto no's
+    assert after_yes[bang] and not after_yes[ask] and after_yes.sum() == 1
+    assert after_no[ask] and not after_no[bang] and after_no.sum() == 1
+    assert torch.equal(matcher.allowed([yes], cpu), after_yes)
+    matcher.commit([yes, bang])
+    assert matcher.allowed([], cpu).nonzero().flatten().tolist() == [tokenizer.eos_token_id]
+
+
+def test_a_grammar_that_cannot_finish_ends_with_length(peaky, tokenizer) -> None:
+    spec = StructuredOutputs("regex", "[a-z]{200}")
+    decoder = LookaheadDecoder(peaky, tokenizer, None, LookaheadConfig(), (tokenizer.eos_token_id,))
+    gen = run(decoder, tokenizer.encode("x"), SamplingParams(max_tokens=6, structured_outputs=spec))
+    assert gen.finish_reason == "length" and len(gen.output_ids) == 6
+    assert re.fullmatch("[a-z]+", tokenizer.decode(gen.output_ids))
+
+
+def test_min_tokens_yields_to_a_complete_grammar(peaky, tokenizer) -> None:
+    spec = StructuredOutputs("choice", json.dumps(["delta"]))
+    decoder = LookaheadDecoder(peaky, tokenizer, None, LookaheadConfig(), (tokenizer.eos_token_id,))
+    params = SamplingParams(max_tokens=8, min_tokens=4, structured_outputs=spec)
+    gen = run(decoder, tokenizer.encode("x"), params)
+    assert tokenizer.decode(gen.output_ids, skip_special_tokens=True) == "delta"
+    assert gen.output_ids[-1] == tokenizer.eos_token_id and gen.finish_reason == "stop"
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        (StructuredOutputs("regex", "(ab"), "structured_outputs.regex: .*unclosed group"),
+        (StructuredOutputs("json", json.dumps({"type": "objectx"})), "structured_outputs.json: .*objectx"),
+        (
+            StructuredOutputs("grammar", "start: undefined_rule", key="guided_decoding"),
+            "guided_decoding.grammar: ",
+        ),
+        (StructuredOutputs("regex", "(?=a)b", key="guided_regex"), "guided_regex: .*look-around"),
+    ],
+)
+def test_a_bad_constraint_is_refused_naming_its_key_and_reason(compiler, spec, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        compiler.compile(spec)
+
+
+def test_compiles_are_cached_per_constraint_and_bounded_in_time(tokenizer) -> None:
+    compiler = GrammarCompiler(tokenizer, [tokenizer.eos_token_id], VOCAB, timeout_s=30)
+    spec = StructuredOutputs("json", json.dumps(SCHEMA))
+    assert compiler.compile(spec) is compiler.compile(StructuredOutputs("json", json.dumps(SCHEMA)))
+    # A schema whose grammar takes long to build: thousands of alternatives.
+    huge = {"enum": [f"value number {i} of a long list" for i in range(20_000)]}
+    compiler.timeout_s = 0.05
+    with pytest.raises(
+        ValueError, match=r"structured_outputs.json: the grammar did not compile within 0.05 s"
+    ):
+        compiler.compile(StructuredOutputs("json", json.dumps(huge)))
+
+
+def test_the_default_model_extracts_json_that_parses_losslessly(default_model) -> None:
+    tokenizer = default_model.tokenizer
+    decoder = LookaheadDecoder.for_model(default_model)
+    prompt = json_extraction_prompts(1)[0]
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": prompt.instruction}], add_generation_prompt=True, return_dict=False
+    )
+    params = SamplingParams(
+        max_tokens=96, structured_outputs=StructuredOutputs("json", json.dumps(prompt.schema))
+    )
+    plain = run(decoder, ids, params, LookaheadConfig(use_lookahead=False))
+    drafted = run(decoder, ids, params)
+    assert drafted.output_ids == plain.output_ids
+    assert drafted.finish_reason == "stop"
+    assert (
+        schema_errors(
+            json.loads(tokenizer.decode(drafted.output_ids, skip_special_tokens=True)), prompt.schema
+        )
+        == []
+    )
+    assert drafted.stats.accepted_draft_tokens > 0
+    assert drafted.stats.steps < len(drafted.output_ids) - 1
+
+
+def test_schema_errors_finds_what_breaks_a_schema() -> None:
+    schema = json_extraction_prompts(2)[1].schema  # an order: nested objects in an array
+    good = {
+        "order_id": "A-1",
+        "customer": "Ada",
+        "items": [{"product": "webcam", "quantity": 2}],
+        "express": True,
+    }
+    assert schema_errors(good, schema) == []
+    bad = {"order_id": 7, "customer": "Ada", "items": [{"product": "webcam", "quantity": True}] * 4, "x": 1}
+    assert schema_errors(bad, schema) == [
+        "$: missing express",
+        "$.order_id: expected string, got int",
+        "$.items: more than 3 items",
+        *["$.items[%d].quantity: expected integer, got bool" % i for i in range(4)],
+        "$: unexpected x",
+    ]
