@@ -53,6 +53,8 @@ class BackendConfig:
     max_prompt_tokens: int = 4096
     max_output_tokens: int = 1024
     max_running_requests: int = 16  # requests stepped together; the rest wait in the queue, in order
+    max_queued_requests: int = 256  # requests waiting beyond this get UNAVAILABLE; 0: no bound
+    queue_timeout_s: float = 0.0  # a request waiting longer gets UNAVAILABLE; 0: no bound
     report_custom_metrics: bool = True
     ignored_parameters: tuple[str, ...] = ()  # set but read by nothing: most likely typos
 
@@ -244,5 +246,7 @@ PARAMETERS: dict[str, tuple[tuple[str, ...], Callable[..., Any]]] = {
     "max_prompt_tokens": (("max_prompt_tokens",), _int(minimum=1)),
     "max_output_tokens": (("max_output_tokens",), _int(minimum=1)),
     "max_running_requests": (("max_running_requests",), _int(minimum=1)),
+    "max_queued_requests": (("max_queued_requests",), _int(minimum=0)),
+    "queue_timeout_s": (("queue_timeout_s",), _float(minimum=0.0)),
     "REPORT_CUSTOM_METRICS": (("report_custom_metrics",), _bool),
 }

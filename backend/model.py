@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import re
 import traceback
 import uuid
@@ -23,12 +24,12 @@ import triton_python_backend_utils as pb_utils
 from lookahead.models.checks import check_tree_attention
 from lookahead.models.loading import LoadedModel, freeze_loaded_objects, load_model
 from lookahead.runtime.decoder import LookaheadDecoder
-from lookahead.state.persistence import load_trie
+from lookahead.state.persistence import claim_snapshot, load_trie
 from lookahead.state.warmup import warm_up
 
 from .config import BackendConfig
 from .engine import Engine, FailureCode, RequestState, TrieSnapshots, Update
-from .metrics import LookaheadMetrics
+from .metrics import LookaheadMetrics, instance_labels
 from .request import RequestError, RequestLimits, parse_request, prompt_byte_limit
 from .responses import ResponseLoop
 
@@ -66,6 +67,16 @@ OUTPUTS = [
 ]
 
 
+MAX_LOGGED_ID_CHARS = 128
+
+
+def log_id(request_id: str | None) -> str:
+    """The request's name in log lines: its id, shortened, or a fresh one."""
+    if not request_id:
+        return uuid.uuid4().hex
+    return request_id if len(request_id) <= MAX_LOGGED_ID_CHARS else f"{request_id[:MAX_LOGGED_ID_CHARS]}..."
+
+
 class TritonInputs:
     """The RequestInputs view of a pb_utils.InferenceRequest."""
 
@@ -77,10 +88,13 @@ class TritonInputs:
         return None if tensor is None else tensor.as_numpy()
 
     def parameters(self) -> dict[str, Any]:
-        raw = self.request.parameters()
+        try:
+            raw = self.request.parameters()
+        except UnicodeDecodeError:
+            raise RequestError("request parameters are not valid UTF-8") from None
         try:
             parameters = json.loads(raw) if raw else {}
-        except json.JSONDecodeError as error:
+        except (json.JSONDecodeError, RecursionError) as error:
             raise RequestError(f"request parameters are not valid JSON: {error}") from None
         return parameters if isinstance(parameters, dict) else {}
 
@@ -138,15 +152,21 @@ class TritonPythonModel:
             config.max_output_tokens,
             max_prompt_bytes=prompt_byte_limit(loaded.tokenizer, config.max_prompt_tokens),
             context_length=decoder.context_length,
+            vocab_size=loaded.vocab_size,
         )
 
         self.metrics = None
         if config.report_custom_metrics:
-            labels = {"model": args["model_name"], "version": args["model_version"]}
-            self.metrics = LookaheadMetrics.create(labels, self.logger)
+            self.metrics = LookaheadMetrics.create(
+                instance_labels(args["model_name"], args["model_version"], args["model_instance_name"]),
+                self.logger,
+            )
         if self.metrics is not None and snapshots is not None:
             self.metrics.trie_size(snapshots.trie.node_count, snapshots.trie.byte_estimate)
-        self.responses = ResponseLoop(self.logger, on_final=self._on_final)
+        self.model_version = args["model_version"]
+        self.responses = ResponseLoop(
+            self.logger, on_final=self._on_final, served=self._served, on_unload=self._on_unload
+        )
         self.engine = Engine(
             decoder,
             emit=self.responses.put,
@@ -155,6 +175,8 @@ class TritonPythonModel:
             on_trie_size=self.metrics.trie_size if self.metrics else None,
             max_running_requests=config.max_running_requests,
             on_stopped=self._on_engine_stopped,
+            max_queued_requests=config.max_queued_requests,
+            queue_timeout_s=config.queue_timeout_s,
         )
         freeze_loaded_objects()
         self.responses.start()
@@ -168,9 +190,16 @@ class TritonPythonModel:
     def execute(self, requests: list[Any]) -> None:
         """Validate and enqueue; every response is sent later by the response thread."""
         for request in requests:
-            state = RequestState(
-                id=request.request_id() or uuid.uuid4().hex, sender=request.get_response_sender()
-            )
+            try:
+                request_id = request.request_id()
+            except UnicodeDecodeError:  # an HTTP id need not be UTF-8; pybind11 refuses it as a str
+                request_id = None
+            state = RequestState(id=log_id(request_id), sender=request.get_response_sender())
+            if request_id is None:
+                self.responses.put(
+                    Update.failed(state, FailureCode.INVALID_ARG, "the request id is not valid UTF-8")
+                )
+                continue
             if not self.engine.running:
                 self.responses.put(Update.failed(state, FailureCode.UNAVAILABLE, ENGINE_STOPPED))
                 continue
@@ -195,6 +224,17 @@ class TritonPythonModel:
         """Model readiness (python_backend r26.03+ asks it for v2/models/<name>/ready): false once
         the engine thread has failed."""
         return self.engine.running
+
+    def _served(self) -> bool:
+        """Whether the server still serves this model: false once it unloads it or shuts down."""
+        try:
+            return pb_utils.is_model_ready(self.model_name, self.model_version)
+        except Exception as error:  # a stopping server refuses the question itself
+            self.logger.log_info(f"Readiness of {self.model_name} unknown ({error}): taking it as unloading")
+            return False
+
+    def _on_unload(self) -> None:
+        self.engine.unload()
 
     def _on_engine_stopped(self, reason: str) -> None:
         """The engine failed (every request already got its error): once those errors are sent,
@@ -246,6 +286,7 @@ class TritonPythonModel:
     def _open_trie(self, config: BackendConfig, instance_name: str, loaded: LoadedModel) -> TrieSnapshots:
         """This instance's global trie: its last snapshot, else the warm-up corpus, else empty."""
         path = config.trie_state_dir / f"{re.sub(r'[^A-Za-z0-9_.-]', '_', instance_name)}.trie"
+        claim_snapshot(path, os.getppid())  # this stub's parent is the tritonserver process
         trie = load_trie(
             path,
             capacity=config.trie.capacity,

@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from lookahead.config import LookaheadConfig, SamplingParams
+from lookahead.config import MAX_STOP_WORDS, LookaheadConfig, SamplingParams
 
 from .sampling_keys import sampling_fields, to_bool, to_int, to_str
 
@@ -72,7 +72,8 @@ class RequestLimits:
 
     max_prompt_bytes: a prompt longer than this cannot be within max_prompt_tokens, so it is
     refused before it is tokenized (None: no such bound). context_length: the model's, which a
-    prompt and its max_tokens must fit in.
+    prompt and its max_tokens must fit in. vocab_size: an id at or above it would index past the
+    embedding (on a GPU a device assert that stops the engine for everyone).
     """
 
     lookahead: LookaheadConfig  # instance defaults, also the per-request maxima
@@ -80,6 +81,7 @@ class RequestLimits:
     max_output_tokens: int
     max_prompt_bytes: int | None = None
     context_length: int | None = None
+    vocab_size: int | None = None  # prompt token ids must be below it (the embedding's rows)
 
 
 @dataclass(frozen=True)
@@ -133,6 +135,11 @@ def parse_request(
                 "tokens can hold on this model"
             )
     prompt_ids = tuple(tokenize(prompt))
+    if limits.vocab_size is not None and prompt_ids and max(prompt_ids) >= limits.vocab_size:
+        raise RequestError(
+            f"text_input tokenizes to id {max(prompt_ids)}, "
+            f"outside the model's vocabulary ({limits.vocab_size})"
+        )
     if truncate is not None:
         prompt_ids = prompt_ids[-truncate:]
     if not prompt_ids:
@@ -223,6 +230,8 @@ def _sampling_options(inputs: RequestInputs) -> Mapping[str, Any]:
         options = json.loads(raw)
     except json.JSONDecodeError as error:
         raise RequestError(f"sampling_parameters is not valid JSON: {error}") from None
+    except RecursionError:
+        raise RequestError("sampling_parameters is nested too deeply") from None
     if not isinstance(options, dict):
         raise RequestError(f"sampling_parameters must be a JSON object, got {type(options).__name__}")
     return options
@@ -246,6 +255,8 @@ def _sampling_params(fields: dict[str, Any], limits: RequestLimits, prompt_token
 
 def _lookahead_config(options: Mapping[str, Any], instance: LookaheadConfig) -> LookaheadConfig:
     overrides = _converted(options, LOOKAHEAD_OVERRIDES)
+    if overrides.get("debug") and not instance.debug:  # a client must not fill the server log
+        raise RequestError("debug cannot be enabled: the model's config.pbtxt has debug off")
     try:
         return instance.capped(instance, **overrides)
     except ValueError as error:
@@ -266,8 +277,11 @@ def _converted(options: Mapping[str, Any], names: tuple[str, ...]) -> dict[str, 
 
 def _to_stop_words(name: str, value: Any) -> tuple[int | str, ...]:
     words = [value] if isinstance(value, str | int) and not isinstance(value, bool) else value
+    if isinstance(words, list) and len(words) > MAX_STOP_WORDS:
+        raise RequestError(f"{name} may hold at most {MAX_STOP_WORDS} entries, got {len(words)}")
     if isinstance(words, list) and all(
-        (isinstance(w, int) and not isinstance(w, bool)) or isinstance(w, str) for w in words
+        (isinstance(w, int) and not isinstance(w, bool)) or (isinstance(w, str) and len(w) <= 64)
+        for w in words
     ):
         return tuple(words)
     raise RequestError(f"{name} must be a list of strings and token ids, got {value!r}")
