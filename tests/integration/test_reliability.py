@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import re
 import signal
+import threading
 import time
+import urllib.request
 from pathlib import Path
+
+import tritonclient.grpc as grpcclient
 
 from backend.launcher import TritonServer, free_port, start_server
 from lookahead.state.persistence import MAGIC
 from tests.integration.servers import READY_TIMEOUT_S, copy_repository, set_parameter
-from tests.integration.test_server import GrpcStream, grpc_inputs, wait_for
+from tests.integration.test_server import GrpcStream, generate, grpc_inputs, wait_for
 
 EXIT_TIMEOUT_S = 30  # tritonserver's default --exit-timeout-secs
 PROMPT = "def fibonacci(n):"
@@ -90,3 +94,63 @@ def test_sigterm_mid_stream_ends_the_stream_saves_the_trie_and_leaves_no_process
     saved = re.search(rf"Saved {re.escape(str(snapshot))} \((\d+) trie nodes\)", log)
     assert saved and int(saved.group(1)) > 0, log[-3000:]  # the prompt and the streamed tokens
     assert snapshot.read_bytes().startswith(MAGIC)
+
+
+RELOADS = 10
+
+
+def test_ten_reloads_idle_and_ten_under_load_with_metrics_on_keep_the_answers(tmp_path):
+    """Reloading `lookahead` (metrics on, the default) used to free the new instance's metric series."""
+    repository = copy_repository(tmp_path / "repository", tmp_path / "state", ("lookahead",))
+    assert (
+        '"REPORT_CUSTOM_METRICS", value: { string_value: "true" }'
+        in (repository / "lookahead" / "config.pbtxt").read_text()
+    )
+    body = {"text_input": PROMPT, "parameters": {"max_tokens": 16}}
+    server = launch_with(
+        repository, tmp_path / "server.log", "--model-control-mode=explicit", "--load-model=lookahead"
+    )
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    failures: list[str] = []
+    stop_load = threading.Event()
+
+    def load() -> None:  # streams one request after another; each must end, well or UNAVAILABLE
+        while not stop_load.is_set():
+            stream = GrpcStream(server)
+            try:
+                options = {"max_tokens": 24, "ignore_eos": True}
+                stream.send("lookahead", grpc_inputs("Count to ten:", sampling_parameters=options), "load")
+                stream.collect(timeout_s=120)
+            except Exception as error:
+                if "UNAVAILABLE" not in str(error).upper():
+                    failures.append(repr(error))
+            finally:
+                stream.close()
+
+    try:
+        expected = generate(server, "lookahead", body)["text_output"]
+        for _ in range(RELOADS):
+            client.load_model("lookahead")
+            assert generate(server, "lookahead", body)["text_output"] == expected
+        loader = threading.Thread(target=load, daemon=True)
+        loader.start()
+        for _ in range(RELOADS):
+            client.load_model("lookahead")
+            assert generate(server, "lookahead", body)["text_output"] == expected
+            assert server.process.poll() is None
+        stop_load.set()
+        loader.join(180)
+        assert not failures, failures
+        assert wait_for(lambda: "lookahead_e2e_request_latency_seconds_count" in metrics_text(server))
+    finally:
+        stop_load.set()
+        client.close()
+        code = server.stop()
+    log = server.log_file.read_text(errors="replace")
+    assert "Signal (11)" not in log and "Signal (6)" not in log and "tcache" not in log
+    assert code == 0, log[-3000:]
+
+
+def metrics_text(server: TritonServer) -> str:
+    with urllib.request.urlopen(server.metrics_url, timeout=10) as reply:
+        return reply.read().decode()
