@@ -56,6 +56,7 @@ class BackendConfig:
     max_queued_requests: int = 256  # requests waiting beyond this get UNAVAILABLE; 0: no bound
     queue_timeout_s: float = 0.0  # a request waiting longer gets UNAVAILABLE; 0: no bound
     report_custom_metrics: bool = True
+    acceptance_outputs: bool = True  # return_perf_metrics may report a request's drafts (a side channel)
     ignored_parameters: tuple[str, ...] = ()  # set but read by nothing: most likely typos
 
     @classmethod
@@ -249,4 +250,5 @@ PARAMETERS: dict[str, tuple[tuple[str, ...], Callable[..., Any]]] = {
     "max_queued_requests": (("max_queued_requests",), _int(minimum=0)),
     "queue_timeout_s": (("queue_timeout_s",), _float(minimum=0.0)),
     "REPORT_CUSTOM_METRICS": (("report_custom_metrics",), _bool),
+    "acceptance_outputs": (("acceptance_outputs",), _bool),
 }

@@ -153,6 +153,7 @@ class TritonPythonModel:
             max_prompt_bytes=prompt_byte_limit(loaded.tokenizer, config.max_prompt_tokens),
             context_length=decoder.context_length,
             vocab_size=loaded.vocab_size,
+            acceptance_outputs=config.acceptance_outputs,
         )
 
         self.metrics = None

@@ -20,6 +20,7 @@ from lookahead.config import MAX_STOP_WORDS, LookaheadConfig, SamplingParams
 from .sampling_keys import sampling_fields, to_bool, to_int, to_str
 
 STREAMING_ECHO_ERROR = "When streaming, `exclude_input_in_output` = False is not allowed."
+PERF_METRICS_OFF = "return_perf_metrics is turned off on this model (config.pbtxt acceptance_outputs false)"
 LOOKAHEAD_OVERRIDES = (
     "use_lookahead",
     "decoding_length",
@@ -82,6 +83,7 @@ class RequestLimits:
     max_prompt_bytes: int | None = None
     context_length: int | None = None
     vocab_size: int | None = None  # prompt token ids must be below it (the embedding's rows)
+    acceptance_outputs: bool = True  # false: return_perf_metrics is refused
 
 
 @dataclass(frozen=True)
@@ -119,6 +121,8 @@ def parse_request(
     exclude_input = flags["exclude_input_in_output"]
     if stream and exclude_input is False:
         raise RequestError(STREAMING_ECHO_ERROR)
+    if flags["return_perf_metrics"] and not limits.acceptance_outputs:
+        raise RequestError(PERF_METRICS_OFF)
 
     options = _sampling_options(inputs)
     try:

@@ -864,3 +864,14 @@ def test_prompt_token_ids_outside_the_vocabulary_are_refused():
     assert parse(limits=limits, text_input=strings("Hello")).prompt_ids == tuple(map(ord, "Hello"))
     with pytest.raises(RequestError, match="tokenizes to id 122, outside the model's vocabulary \\(122\\)"):
         parse(limits=limits, text_input=strings("zebra"))
+
+
+def test_return_perf_metrics_is_refused_where_acceptance_outputs_are_off():
+    private = RequestLimits(
+        LIMITS.lookahead, max_prompt_tokens=20, max_output_tokens=64, acceptance_outputs=False
+    )
+    flag = np.array([True])
+    assert parse(return_perf_metrics=flag).return_perf_metrics
+    with pytest.raises(RequestError, match="return_perf_metrics is turned off on this model"):
+        parse(limits=private, return_perf_metrics=flag)
+    assert not parse(limits=private, return_perf_metrics=np.array([False])).return_perf_metrics
