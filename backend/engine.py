@@ -210,10 +210,11 @@ class Engine:
         their final responses, so a long stream would otherwise outlive the server's exit timeout."""
         self.unloading = True
 
-    def stop(self) -> None:
-        """Fail what is still in flight, take a last snapshot, and end the thread."""
+    def stop(self, timeout_s: float | None = None) -> None:
+        """Fail what is still in flight, take a last snapshot, and end the thread (waiting at most
+        timeout_s for it)."""
         self.inbox.put(None)
-        self.thread.join()
+        self.thread.join(timeout_s)
 
     def _run(self) -> None:
         message = SHUTDOWN_MESSAGE

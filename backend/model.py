@@ -30,6 +30,7 @@ from lookahead.state.warmup import warm_up
 from .config import BackendConfig
 from .engine import Engine, FailureCode, RequestState, TrieSnapshots, Update
 from .metrics import LookaheadMetrics, instance_labels
+from .orphan import exit_when_orphaned
 from .request import RequestError, RequestLimits, parse_request, prompt_byte_limit
 from .responses import ResponseLoop
 
@@ -68,6 +69,7 @@ OUTPUTS = [
 
 
 MAX_LOGGED_ID_CHARS = 128
+ORPHAN_STOP_S = 30.0  # how long an orphaned stub waits for its engine's last step and snapshot
 
 
 def log_id(request_id: str | None) -> str:
@@ -182,6 +184,7 @@ class TritonPythonModel:
         freeze_loaded_objects()
         self.responses.start()
         self.engine.start()
+        exit_when_orphaned(self._on_orphaned)
         self.logger.log_info(
             f"{args['model_instance_name']}: serving {loaded.name} on {config.device} "
             f"({config.dtype}, {loaded.execution}), "
@@ -236,6 +239,12 @@ class TritonPythonModel:
 
     def _on_unload(self) -> None:
         self.engine.unload()
+
+    def _on_orphaned(self) -> None:
+        """The server exited without finalize(): end the requests (nobody can answer them now) and
+        write the last snapshot before the process ends."""
+        self.engine.unload()
+        self.engine.stop(timeout_s=ORPHAN_STOP_S)
 
     def _on_engine_stopped(self, reason: str) -> None:
         """The engine failed (every request already got its error): once those errors are sent,

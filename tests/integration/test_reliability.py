@@ -1,14 +1,16 @@
-"""A real tritonserver unloading the model: on SIGTERM mid-stream, and reloaded again and again."""
+"""A real tritonserver in explicit model control: the model reloaded again and again, then
+unloaded mid-stream."""
 
 from __future__ import annotations
 
 import re
-import signal
 import threading
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
 import tritonclient.grpc as grpcclient
 
 from backend.launcher import TritonServer, free_port, start_server
@@ -16,100 +18,56 @@ from lookahead.state.persistence import MAGIC
 from tests.integration.servers import READY_TIMEOUT_S, copy_repository, set_parameter
 from tests.integration.test_server import GrpcStream, generate, grpc_inputs, wait_for
 
-EXIT_TIMEOUT_S = 30  # tritonserver's default --exit-timeout-secs
 PROMPT = "def fibonacci(n):"
+RELOADS = 10
 
 
-def descendants(pid: int) -> set[int]:
-    """Every live process below pid."""
-    parents = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
-    found, frontier = set(), {pid}
-    while frontier:
-        frontier = {child for child, parent in parents.items() if parent in frontier} - found
-        found |= frontier
-    return found
-
-
-def alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
-
-
-def launch_with(repository: Path, log: Path, *args: str) -> TritonServer:
-    return start_server(
+@pytest.fixture(scope="module")
+def explicit(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[TritonServer, Path]]:
+    """`lookahead` (metrics on, snapshots only at unload) under --model-control-mode=explicit."""
+    root = tmp_path_factory.mktemp("explicit")
+    state = root / "state"
+    repository = copy_repository(root / "repository", state, ("lookahead",))
+    config = repository / "lookahead" / "config.pbtxt"
+    text = set_parameter(config.read_text(), "snapshot_interval_s", "0")
+    assert '"REPORT_CUSTOM_METRICS", value: { string_value: "true" }' in text
+    config.write_text(text)
+    server = start_server(
         repository,
         http_port=free_port(),
         grpc_port=free_port(),
         metrics_port=free_port(),
-        log_file=log,
-        extra_args=args,
+        log_file=root / "server.log",
+        extra_args=("--model-control-mode=explicit", "--load-model=lookahead"),
         ready_timeout_s=READY_TIMEOUT_S,
     )
+    with server:
+        yield server, state
 
 
-def test_sigterm_mid_stream_ends_the_stream_saves_the_trie_and_leaves_no_process(tmp_path):
-    state = tmp_path / "state"
-    repository = copy_repository(tmp_path / "repository", state, ("lookahead",))
-    config = repository / "lookahead" / "config.pbtxt"
-    config.write_text(set_parameter(config.read_text(), "snapshot_interval_s", "0"))  # saved at unload only
-    server = launch_with(repository, tmp_path / "server.log")
-    stream = GrpcStream(server)
-    try:
-        options = {"max_tokens": 1024, "ignore_eos": True}
-        stream.send("lookahead", grpc_inputs("Write a long story.", sampling_parameters=options), "long")
-        first, error = stream.responses.get(timeout=120)
-        assert error is None and first.as_numpy("text_output")[0]
-        processes = descendants(server.process.pid)
-        assert processes, "no backend stub below tritonserver"
-        signalled = time.monotonic()
-        server.process.send_signal(signal.SIGTERM)
-        while True:  # the stream ends with a final response: an error saying the model unloads
-            result, error = stream.responses.get(timeout=EXIT_TIMEOUT_S)
-            if error is not None:
-                assert "the model is being unloaded" in str(error)
-                break
-            if result.get_response().parameters["triton_final_response"].bool_param:
-                break
-        assert time.monotonic() - signalled < 10
-        server.process.wait(EXIT_TIMEOUT_S + 10)
-        assert wait_for(lambda: not any(alive(pid) for pid in processes), timeout_s=10), [
-            pid for pid in processes if alive(pid)
-        ]
-    finally:
-        stream.close()
-        server.stop()
-    log = server.log_file.read_text(errors="replace")
-    assert "Exit timeout expired" not in log
-    snapshot = state / "lookahead_0_0.trie"
-    saved = re.search(rf"Saved {re.escape(str(snapshot))} \((\d+) trie nodes\)", log)
-    assert saved and int(saved.group(1)) > 0, log[-3000:]  # the prompt and the streamed tokens
-    assert snapshot.read_bytes().startswith(MAGIC)
+def stub_pids(server: TritonServer) -> set[int]:
+    """The live processes whose parent is the server (its backend stubs)."""
+    pids = set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == server.process.pid and fields[0] != "Z":
+                pids.add(int(entry.name))
+    return pids
 
 
-RELOADS = 10
+def metrics_text(server: TritonServer) -> str:
+    with urllib.request.urlopen(server.metrics_url, timeout=10) as reply:
+        return reply.read().decode()
 
 
-def test_ten_reloads_idle_and_ten_under_load_with_metrics_on_keep_the_answers(tmp_path):
-    """Reloading `lookahead` (metrics on, the default) used to free the new instance's metric series."""
-    repository = copy_repository(tmp_path / "repository", tmp_path / "state", ("lookahead",))
-    assert (
-        '"REPORT_CUSTOM_METRICS", value: { string_value: "true" }'
-        in (repository / "lookahead" / "config.pbtxt").read_text()
-    )
+def test_ten_reloads_idle_and_ten_under_load_with_metrics_on_keep_the_answers(explicit):
+    """A reload's old instance used to free the Prometheus series the new one writes to."""
+    server, _ = explicit
     body = {"text_input": PROMPT, "parameters": {"max_tokens": 16}}
-    server = launch_with(
-        repository, tmp_path / "server.log", "--model-control-mode=explicit", "--load-model=lookahead"
-    )
     client = grpcclient.InferenceServerClient(server.grpc_url)
     failures: list[str] = []
     stop_load = threading.Event()
@@ -141,16 +99,40 @@ def test_ten_reloads_idle_and_ten_under_load_with_metrics_on_keep_the_answers(tm
         stop_load.set()
         loader.join(180)
         assert not failures, failures
-        assert wait_for(lambda: "lookahead_e2e_request_latency_seconds_count" in metrics_text(server))
     finally:
         stop_load.set()
         client.close()
-        code = server.stop()
+    assert wait_for(lambda: "lookahead_e2e_request_latency_seconds_count{" in metrics_text(server))
     log = server.log_file.read_text(errors="replace")
     assert "Signal (11)" not in log and "Signal (6)" not in log and "tcache" not in log
-    assert code == 0, log[-3000:]
 
 
-def metrics_text(server: TritonServer) -> str:
-    with urllib.request.urlopen(server.metrics_url, timeout=10) as reply:
-        return reply.read().decode()
+def test_unloading_mid_stream_ends_the_stream_saves_the_trie_and_ends_the_stub(explicit):
+    server, state = explicit
+    stubs = stub_pids(server)
+    assert len(stubs) == 1, stubs
+    stream = GrpcStream(server)
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    try:
+        options = {"max_tokens": 1024, "ignore_eos": True}
+        stream.send("lookahead", grpc_inputs("Write a long story.", sampling_parameters=options), "long")
+        first, error = stream.responses.get(timeout=120)
+        assert error is None and first.as_numpy("text_output")[0]
+        asked = time.monotonic()
+        threading.Thread(target=client.unload_model, args=("lookahead",), daemon=True).start()
+        while True:
+            result, error = stream.responses.get(timeout=60)
+            if error is not None:
+                assert "the model is being unloaded" in str(error)
+                break
+            assert not result.get_response().parameters["triton_final_response"].bool_param
+        assert time.monotonic() - asked < 15
+        assert wait_for(lambda: not (stubs & stub_pids(server)), timeout_s=30), "the stub outlived the unload"
+    finally:
+        stream.close()
+        client.close()
+    snapshot = state / "lookahead_0_0.trie"
+    log = server.log_file.read_text(errors="replace")
+    saved = re.search(rf"Saved {re.escape(str(snapshot))} \((\d+) trie nodes\)", log)
+    assert saved and int(saved.group(1)) > 0, log[-3000:]  # the prompt and the streamed tokens
+    assert snapshot.read_bytes().startswith(MAGIC)
