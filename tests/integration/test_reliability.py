@@ -3,6 +3,7 @@ unloaded mid-stream."""
 
 from __future__ import annotations
 
+import os
 import re
 import threading
 import time
@@ -23,7 +24,7 @@ RELOADS = 10
 
 
 @pytest.fixture(scope="module")
-def explicit(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[TritonServer, Path]]:
+def explicit(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[TritonServer, Path, Path]]:
     """`lookahead` (metrics on, snapshots only at unload) under --model-control-mode=explicit."""
     root = tmp_path_factory.mktemp("explicit")
     state = root / "state"
@@ -42,7 +43,13 @@ def explicit(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[TritonS
         ready_timeout_s=READY_TIMEOUT_S,
     )
     with server:
-        yield server, state
+        yield server, state, config
+
+
+def reload(client: grpcclient.InferenceServerClient, config: Path) -> None:
+    """Load the model again: Triton reloads a loaded model only when its files changed."""
+    os.utime(config, ns=(time.time_ns(), time.time_ns()))
+    client.load_model("lookahead")
 
 
 def stub_pids(server: TritonServer) -> set[int]:
@@ -66,7 +73,7 @@ def metrics_text(server: TritonServer) -> str:
 
 def test_ten_reloads_idle_and_ten_under_load_with_metrics_on_keep_the_answers(explicit):
     """A reload's old instance used to free the Prometheus series the new one writes to."""
-    server, _ = explicit
+    server, _, config = explicit
     body = {"text_input": PROMPT, "parameters": {"max_tokens": 16}}
     client = grpcclient.InferenceServerClient(server.grpc_url)
     failures: list[str] = []
@@ -88,12 +95,12 @@ def test_ten_reloads_idle_and_ten_under_load_with_metrics_on_keep_the_answers(ex
     try:
         expected = generate(server, "lookahead", body)["text_output"]
         for _ in range(RELOADS):
-            client.load_model("lookahead")
+            reload(client, config)
             assert generate(server, "lookahead", body)["text_output"] == expected
         loader = threading.Thread(target=load, daemon=True)
         loader.start()
         for _ in range(RELOADS):
-            client.load_model("lookahead")
+            reload(client, config)
             assert generate(server, "lookahead", body)["text_output"] == expected
             assert server.process.poll() is None
         stop_load.set()
@@ -104,11 +111,12 @@ def test_ten_reloads_idle_and_ten_under_load_with_metrics_on_keep_the_answers(ex
         client.close()
     assert wait_for(lambda: "lookahead_e2e_request_latency_seconds_count{" in metrics_text(server))
     log = server.log_file.read_text(errors="replace")
+    assert log.count("successfully unloaded 'lookahead' version 1") == 2 * RELOADS
     assert "Signal (11)" not in log and "Signal (6)" not in log and "tcache" not in log
 
 
 def test_unloading_mid_stream_ends_the_stream_saves_the_trie_and_ends_the_stub(explicit):
-    server, state = explicit
+    server, state, _ = explicit
     stubs = stub_pids(server)
     assert len(stubs) == 1, stubs
     stream = GrpcStream(server)
@@ -127,10 +135,10 @@ def test_unloading_mid_stream_ends_the_stream_saves_the_trie_and_ends_the_stub(e
                 break
             assert not result.get_response().parameters["triton_final_response"].bool_param
         assert time.monotonic() - asked < 15
-        assert wait_for(lambda: not (stubs & stub_pids(server)), timeout_s=30), "the stub outlived the unload"
     finally:
-        stream.close()
+        stream.close()  # Triton's gRPC stream holds the model until it closes
         client.close()
+    assert wait_for(lambda: not (stubs & stub_pids(server)), timeout_s=60), "the stub outlived the unload"
     snapshot = state / "lookahead_0_0.trie"
     log = server.log_file.read_text(errors="replace")
     saved = re.search(rf"Saved {re.escape(str(snapshot))} \((\d+) trie nodes\)", log)
