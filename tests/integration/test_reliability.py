@@ -47,8 +47,8 @@ def explicit(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[TritonS
 
 
 def reload(client: grpcclient.InferenceServerClient, config: Path) -> None:
-    """Load the model again: Triton reloads a loaded model only when its files changed."""
-    os.utime(config, ns=(time.time_ns(), time.time_ns()))
+    """Load the model again: Triton starts new instances only when the version folder changed."""
+    os.utime(config.parent / "1" / "model.py", ns=(time.time_ns(), time.time_ns()))
     client.load_model("lookahead")
 
 
@@ -110,8 +110,9 @@ def test_ten_reloads_idle_and_ten_under_load_with_metrics_on_keep_the_answers(ex
         stop_load.set()
         client.close()
     assert wait_for(lambda: "lookahead_e2e_request_latency_seconds_count{" in metrics_text(server))
+    unloads = "successfully unloaded 'lookahead' version 1"
+    assert wait_for(lambda: server.log_file.read_text(errors="replace").count(unloads) == 2 * RELOADS)
     log = server.log_file.read_text(errors="replace")
-    assert log.count("successfully unloaded 'lookahead' version 1") == 2 * RELOADS
     assert "Signal (11)" not in log and "Signal (6)" not in log and "tcache" not in log
 
 
