@@ -230,10 +230,11 @@ class TritonPythonModel:
         return self.engine.running
 
     def _served(self) -> bool:
-        """Whether the server still serves this model: false once it unloads it or shuts down."""
+        """Whether the server still serves this model: false once it unloads it. (A server that shuts
+        down stops answering its stubs instead: then the orphan watch ends this process.)"""
         try:
             return pb_utils.is_model_ready(self.model_name, self.model_version)
-        except Exception as error:  # a stopping server refuses the question itself
+        except Exception as error:  # "Server not ready"
             self.logger.log_info(f"Readiness of {self.model_name} unknown ({error}): taking it as unloading")
             return False
 
