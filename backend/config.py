@@ -59,7 +59,10 @@ class BackendConfig:
     max_prompt_tokens: int = 4096
     max_output_tokens: int = 0  # 0: only the model's context window bounds max_tokens
     max_running_requests: int = 16  # requests stepped together; the rest wait in the queue, in order
+    max_queued_requests: int = 256  # requests waiting beyond this get UNAVAILABLE; 0: no bound
+    queue_timeout_s: float = 0.0  # a request waiting longer gets UNAVAILABLE; 0: no bound
     report_custom_metrics: bool = True
+    acceptance_outputs: bool = True  # return_perf_metrics may report a request's drafts (a side channel)
 
     @classmethod
     def from_triton_args(cls, args: Mapping[str, str]) -> BackendConfig:
@@ -270,5 +273,8 @@ PARAMETERS: dict[str, tuple[tuple[str, ...], Callable[..., Any]]] = {
     "max_prompt_tokens": (("max_prompt_tokens",), _int(minimum=1)),
     "max_output_tokens": (("max_output_tokens",), _int(minimum=0)),
     "max_running_requests": (("max_running_requests",), _int(minimum=1)),
+    "max_queued_requests": (("max_queued_requests",), _int(minimum=0)),
+    "queue_timeout_s": (("queue_timeout_s",), _float(minimum=0.0)),
     "REPORT_CUSTOM_METRICS": (("report_custom_metrics",), _bool),
+    "acceptance_outputs": (("acceptance_outputs",), _bool),
 }

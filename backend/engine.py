@@ -33,6 +33,10 @@ from .config import BackendConfig
 from .request import GenerationRequest
 
 SHUTDOWN_MESSAGE = "the model is being unloaded; the request was not completed"
+QUEUE_FULL = "the queue is full ({count} requests wait, max_queued_requests); retry later"
+QUEUE_TIMEOUT = (
+    "the request waited {waited:.1f} s in the queue, more than queue_timeout_s ({limit:g}); retry later"
+)
 ENGINE_FAILED = "the engine thread failed ({error}); the model must be reloaded (see the server log)"
 # Errors after which the device cannot be trusted for anyone: the engine stops (vLLM's health check).
 FATAL_ERRORS: tuple[type[BaseException], ...] = (torch.AcceleratorError,)
@@ -77,6 +81,7 @@ class RequestState:
     unreported_logprobs: list[PositionLogprobs] = field(default_factory=list)
     text_parts: list[str] = field(default_factory=list)  # non-streaming: the whole output so far
     prompt_logprobs_sent: bool = False
+    answered: bool = False  # its final response went out (response thread only)
 
     @property
     def longest(self) -> int:
@@ -125,6 +130,8 @@ class Engine:
         on_trie_size: Callable[[int, int], None] | None = None,
         max_running_requests: int = BackendConfig.max_running_requests,
         on_stopped: Callable[[str], None] | None = None,
+        max_queued_requests: int = BackendConfig.max_queued_requests,
+        queue_timeout_s: float = BackendConfig.queue_timeout_s,
     ):
         if max_running_requests < 1:
             raise ValueError(f"max_running_requests must be >= 1, got {max_running_requests}")
@@ -135,6 +142,9 @@ class Engine:
         self.keeper = keeper
         self.on_trie_size = on_trie_size
         self.max_running_requests = max_running_requests
+        self.max_queued_requests = max_queued_requests
+        self.queue_timeout_s = queue_timeout_s
+        self.unloading = False  # set once by unload(); read by the engine thread
         self.on_stopped = on_stopped
         self.inbox: queue.SimpleQueue[RequestState | None] = queue.SimpleQueue()
         self.waiting: deque[RequestState] = deque()  # validated, not yet admitted (engine thread)
@@ -161,15 +171,25 @@ class Engine:
             failure = self.failure
         self.emit(Update.failed(state, FailureCode.UNAVAILABLE, failure))
 
-    def stop(self) -> None:
-        """Fail what is still in flight, stop syncing, take a last snapshot, and end the thread."""
+    def unload(self) -> None:
+        """The server unloads the model: end every request in flight, and any that still arrives,
+        with UNAVAILABLE at the next step. Triton finalizes a model only after its requests got
+        their final responses, so a long stream would otherwise outlive the server's exit timeout."""
+        self.unloading = True
+
+    def stop(self, timeout_s: float | None = None) -> None:
+        """Fail what is still in flight, stop syncing, take a last snapshot, and end the thread
+        (waiting at most timeout_s for it)."""
         self.inbox.put(None)
-        self.thread.join()
+        self.thread.join(timeout_s)
 
     def _run(self) -> None:
         message = SHUTDOWN_MESSAGE
         try:
             while self._admit():
+                if self.unloading:
+                    self._fail_everything(FailureCode.UNAVAILABLE, SHUTDOWN_MESSAGE)
+                    continue
                 self._advance()
                 if self.keeper is not None:
                     self.keeper.between_steps()
@@ -214,7 +234,8 @@ class Engine:
             except queue.Empty:
                 if not idle:
                     break
-                self.keeper.between_steps()  # only the keeper sets an idle timeout
+                if self.keeper is not None:
+                    self.keeper.between_steps()  # only the keeper sets an idle timeout
                 continue
             if state is None:
                 return False
@@ -223,10 +244,25 @@ class Engine:
         return True
 
     def _start_waiting(self) -> None:
-        """Start waiting requests in arrival order while the running ones leave room for them."""
+        """Start waiting requests in arrival order while the running ones leave room for them; the
+        ones left waiting too long, or beyond max_queued_requests, end with UNAVAILABLE."""
         for state in [s for s in self.waiting if s.cancelled]:
             self.waiting.remove(state)
             self._cancel(state)
+        self._start_fitting()
+        if self.queue_timeout_s > 0:
+            now = time.monotonic()
+            for state in [s for s in self.waiting if now - s.arrival > self.queue_timeout_s]:
+                self.waiting.remove(state)
+                message = QUEUE_TIMEOUT.format(waited=now - state.arrival, limit=self.queue_timeout_s)
+                self._finish(state, Update.failed(state, FailureCode.UNAVAILABLE, message))
+        while self.max_queued_requests and len(self.waiting) > self.max_queued_requests:
+            state = self.waiting.pop()  # the newest: the others keep their place
+            message = QUEUE_FULL.format(count=len(self.waiting))
+            self._finish(state, Update.failed(state, FailureCode.UNAVAILABLE, message))
+
+    def _start_fitting(self) -> None:
+        """Start waiting requests in arrival order while the running ones leave room for them."""
         while self.waiting and len(self.active) < self.max_running_requests:
             state = self.waiting[0]
             if self.active and not self.decoder.fits([*(s.longest for s in self.active), state.longest]):

@@ -8,6 +8,7 @@ by the engine thread (vLLM backend PR #66).
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 import traceback
@@ -90,6 +91,18 @@ FAMILIES: dict[str, tuple[str, str, str, list[float] | None]] = {
         None,
     ),
 }
+
+
+def instance_labels(model: str, version: str, instance: str) -> dict[str, str]:
+    """Labels that no other live instance shares.
+
+    Triton keeps one Prometheus series per family and label set, shared by every MetricFamily
+    of that name, and frees it when the first owner deletes its Metric. During a reload the new
+    instance starts before the old one finalizes, so with shared labels the old instance's
+    cleanup frees the series the new one keeps writing to (a use-after-free in
+    Metric::Observe). Two live processes never share a pid, so no series has two owners.
+    """
+    return {"model": model, "version": version, "instance": instance, "pid": str(os.getpid())}
 
 
 _COUNTERS = tuple(

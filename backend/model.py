@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import re
 import traceback
 import uuid
@@ -24,13 +25,14 @@ from lookahead.models.checks import check_tree_attention
 from lookahead.models.loading import LoadedModel, freeze_loaded_objects, load_model
 from lookahead.runtime.decoder import LookaheadDecoder
 from lookahead.state.keeper import TrieKeeper
-from lookahead.state.persistence import load_snapshot
+from lookahead.state.persistence import claim_snapshot, load_snapshot
 from lookahead.state.sync import TrieSync, redacted, stream_key
 from lookahead.state.warmup import warm_up
 
 from .config import BackendConfig
 from .engine import Engine, FailureCode, RequestState, Update
-from .metrics import LookaheadMetrics
+from .metrics import LookaheadMetrics, instance_labels
+from .orphan import exit_when_orphaned
 from .request import RequestError, RequestLimits, parse_request, prompt_byte_limit
 from .responses import ResponseLoop
 from .vllm_metrics import VllmMetrics
@@ -69,6 +71,17 @@ OUTPUTS = [
 ]
 
 
+MAX_LOGGED_ID_CHARS = 128
+ORPHAN_STOP_S = 30.0  # how long an orphaned stub waits for its engine's last step and snapshot
+
+
+def log_id(request_id: str | None) -> str:
+    """The request's name in log lines: its id, shortened, or a fresh one."""
+    if not request_id:
+        return uuid.uuid4().hex
+    return request_id if len(request_id) <= MAX_LOGGED_ID_CHARS else f"{request_id[:MAX_LOGGED_ID_CHARS]}..."
+
+
 class TritonInputs:
     """The RequestInputs view of a pb_utils.InferenceRequest."""
 
@@ -80,10 +93,13 @@ class TritonInputs:
         return None if tensor is None else tensor.as_numpy()
 
     def parameters(self) -> dict[str, Any]:
-        raw = self.request.parameters()
+        try:
+            raw = self.request.parameters()
+        except UnicodeDecodeError:
+            raise RequestError("request parameters are not valid UTF-8") from None
         try:
             parameters = json.loads(raw) if raw else {}
-        except json.JSONDecodeError as error:
+        except (json.JSONDecodeError, RecursionError) as error:
             raise RequestError(f"request parameters are not valid JSON: {error}") from None
         return parameters if isinstance(parameters, dict) else {}
 
@@ -137,11 +153,13 @@ class TritonPythonModel:
             config.max_output_tokens,
             max_prompt_bytes=prompt_byte_limit(loaded.tokenizer, config.max_prompt_tokens),
             context_length=decoder.context_length,
+            vocab_size=loaded.vocab_size,
+            acceptance_outputs=config.acceptance_outputs,
         )
 
         self.metrics = self.vllm_metrics = None
         if config.report_custom_metrics:
-            labels = {"model": args["model_name"], "version": args["model_version"]}
+            labels = instance_labels(args["model_name"], args["model_version"], args["model_instance_name"])
             self.metrics = LookaheadMetrics.create(labels, self.logger)
             max_model_len = decoder.context_length or config.max_prompt_tokens
             self.vllm_metrics = VllmMetrics.create(labels, max_model_len, self.logger)
@@ -149,7 +167,10 @@ class TritonPythonModel:
             self._join_fleet(keeper, config, loaded, decoder)
         if self.metrics is not None and keeper is not None:
             self.metrics.trie_size(keeper.trie.node_count, keeper.trie.byte_estimate)
-        self.responses = ResponseLoop(self.logger, on_final=self._on_final)
+        self.model_version = args["model_version"]
+        self.responses = ResponseLoop(
+            self.logger, on_final=self._on_final, served=self._served, on_unload=self._on_unload
+        )
         self.engine = Engine(
             decoder,
             emit=self.responses.put,
@@ -158,10 +179,13 @@ class TritonPythonModel:
             on_trie_size=self.metrics.trie_size if self.metrics else None,
             max_running_requests=config.max_running_requests,
             on_stopped=self._on_engine_stopped,
+            max_queued_requests=config.max_queued_requests,
+            queue_timeout_s=config.queue_timeout_s,
         )
         freeze_loaded_objects()
         self.responses.start()
         self.engine.start()
+        exit_when_orphaned(self._on_orphaned)
         self.logger.log_info(
             f"{args['model_instance_name']}: serving {loaded.name} on {config.device} "
             f"({config.dtype}, {loaded.execution}), "
@@ -171,9 +195,16 @@ class TritonPythonModel:
     def execute(self, requests: list[Any]) -> None:
         """Validate and enqueue; every response is sent later by the response thread."""
         for request in requests:
-            state = RequestState(
-                id=request.request_id() or uuid.uuid4().hex, sender=request.get_response_sender()
-            )
+            try:
+                request_id = request.request_id()
+            except UnicodeDecodeError:  # an HTTP id need not be UTF-8; pybind11 refuses it as a str
+                request_id = None
+            state = RequestState(id=log_id(request_id), sender=request.get_response_sender())
+            if request_id is None:
+                self.responses.put(
+                    Update.failed(state, FailureCode.INVALID_ARG, "the request id is not valid UTF-8")
+                )
+                continue
             if not self.engine.running:
                 self.responses.put(Update.failed(state, FailureCode.UNAVAILABLE, ENGINE_STOPPED))
                 continue
@@ -198,6 +229,24 @@ class TritonPythonModel:
         """Model readiness (python_backend r26.03+ asks it for v2/models/<name>/ready): false once
         the engine thread has failed."""
         return self.engine.running
+
+    def _served(self) -> bool:
+        """Whether the server still serves this model: false once it unloads it. (A server that shuts
+        down stops answering its stubs instead: then the orphan watch ends this process.)"""
+        try:
+            return pb_utils.is_model_ready(self.model_name, self.model_version)
+        except Exception as error:  # "Server not ready"
+            self.logger.log_info(f"Readiness of {self.model_name} unknown ({error}): taking it as unloading")
+            return False
+
+    def _on_unload(self) -> None:
+        self.engine.unload()
+
+    def _on_orphaned(self) -> None:
+        """The server exited without finalize(): end the requests (nobody can answer them now) and
+        write the last snapshot before the process ends."""
+        self.engine.unload()
+        self.engine.stop(timeout_s=ORPHAN_STOP_S)
 
     def _on_engine_stopped(self, reason: str) -> None:
         """The engine failed (every request already got its error): once those errors are sent,
@@ -253,6 +302,7 @@ class TritonPythonModel:
     def _open_trie(self, config: BackendConfig, instance_name: str, loaded: LoadedModel) -> TrieKeeper:
         """This instance's global trie: its last snapshot, else the warm-up corpus, else empty."""
         path = config.trie_state_dir / f"{re.sub(r'[^A-Za-z0-9_.-]', '_', instance_name)}.trie"
+        claim_snapshot(path, os.getppid())  # this stub's parent is the tritonserver process
         snapshot = load_snapshot(
             path,
             capacity=config.trie.capacity,

@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from lookahead.config import LookaheadConfig, SamplingParams
+from lookahead.config import MAX_STOP_WORDS, LookaheadConfig, SamplingParams
 
 from .sampling_keys import sampling_fields, to_bool, to_int, to_str
 
@@ -23,6 +23,7 @@ from .sampling_keys import sampling_fields, to_bool, to_int, to_str
 STREAMING_ECHO_ERROR = (
     "Error generating stream: When streaming, `exclude_input_in_output` = False is not allowed."
 )
+PERF_METRICS_OFF = "return_perf_metrics is turned off on this model (config.pbtxt acceptance_outputs false)"
 LOOKAHEAD_OVERRIDES = (
     "use_lookahead",
     "decoding_length",
@@ -76,7 +77,8 @@ class RequestLimits:
 
     max_prompt_bytes: a prompt longer than this cannot be within max_prompt_tokens, so it is
     refused before it is tokenized (None: no such bound). context_length: the model's, which a
-    prompt and its max_tokens must fit in.
+    prompt and its max_tokens must fit in. vocab_size: an id at or above it would index past the
+    embedding (on a GPU a device assert that stops the engine for everyone).
     """
 
     lookahead: LookaheadConfig  # instance defaults, also the per-request maxima
@@ -84,6 +86,8 @@ class RequestLimits:
     max_output_tokens: int  # 0: no bound but the context
     max_prompt_bytes: int | None = None
     context_length: int | None = None
+    vocab_size: int | None = None  # prompt token ids must be below it (the embedding's rows)
+    acceptance_outputs: bool = True  # false: return_perf_metrics is refused
 
 
 @dataclass(frozen=True)
@@ -121,6 +125,8 @@ def parse_request(
     exclude_input = flags["exclude_input_in_output"]
     if stream and exclude_input is False:
         raise RequestError(STREAMING_ECHO_ERROR)
+    if flags["return_perf_metrics"] and not limits.acceptance_outputs:
+        raise RequestError(PERF_METRICS_OFF)
 
     options = _sampling_options(inputs)
     try:
@@ -137,6 +143,11 @@ def parse_request(
                 "tokens can hold on this model"
             )
     prompt_ids = tuple(tokenize(prompt))
+    if limits.vocab_size is not None and prompt_ids and max(prompt_ids) >= limits.vocab_size:
+        raise RequestError(
+            f"text_input tokenizes to id {max(prompt_ids)}, "
+            f"outside the model's vocabulary ({limits.vocab_size})"
+        )
     if truncate is not None:
         prompt_ids = prompt_ids[-truncate:]
     if not prompt_ids:
@@ -227,6 +238,8 @@ def _sampling_options(inputs: RequestInputs) -> Mapping[str, Any]:
         options = json.loads(raw)
     except json.JSONDecodeError as error:
         raise RequestError(f"sampling_parameters is not valid JSON: {error}") from None
+    except RecursionError:
+        raise RequestError("sampling_parameters is nested too deeply") from None
     if not isinstance(options, dict):
         raise RequestError(f"sampling_parameters must be a JSON object, got {type(options).__name__}")
     return options
@@ -250,6 +263,8 @@ def _sampling_params(fields: dict[str, Any], limits: RequestLimits, prompt_token
 
 def _lookahead_config(options: Mapping[str, Any], instance: LookaheadConfig) -> LookaheadConfig:
     overrides = _converted(options, LOOKAHEAD_OVERRIDES)
+    if overrides.get("debug") and not instance.debug:  # a client must not fill the server log
+        raise RequestError("debug cannot be enabled: the model's config.pbtxt has debug off")
     try:
         return instance.capped(instance, **overrides)
     except ValueError as error:
@@ -270,8 +285,11 @@ def _converted(options: Mapping[str, Any], names: tuple[str, ...]) -> dict[str, 
 
 def _to_stop_words(name: str, value: Any) -> tuple[int | str, ...]:
     words = [value] if isinstance(value, str | int) and not isinstance(value, bool) else value
+    if isinstance(words, list) and len(words) > MAX_STOP_WORDS:
+        raise RequestError(f"{name} may hold at most {MAX_STOP_WORDS} entries, got {len(words)}")
     if isinstance(words, list) and all(
-        (isinstance(w, int) and not isinstance(w, bool)) or isinstance(w, str) for w in words
+        (isinstance(w, int) and not isinstance(w, bool)) or (isinstance(w, str) and len(w) <= 64)
+        for w in words
     ):
         return tuple(words)
     raise RequestError(f"{name} must be a list of strings and token ids, got {value!r}")

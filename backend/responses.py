@@ -4,6 +4,9 @@
 here and never on the engine thread (vLLM backend PR #46/#54). After each non-final send we ask
 whether the client cancelled, and we poll requests that have not had a response for a while
 (non-streaming ones, or a long prefill), so the engine learns of a cancellation within a step.
+While requests are in flight it also asks the server whether the model is still served: Triton
+finalizes a model only after its requests end, so an unload (or a server shutdown) must reach
+the engine through here.
 """
 
 from __future__ import annotations
@@ -22,15 +25,17 @@ from lookahead.runtime.logprobs import vllm_json
 
 from .engine import Log, RequestState, Update
 
+_NOTHING = object()  # the queue was empty for CANCEL_POLL_S
 CANCEL_POLL_S = 0.2  # how often requests without recent responses are asked is_cancelled()
+SERVED_POLL_S = (
+    1.0  # how often, while requests are in flight, the server is asked whether the model is served
+)
 
 
 def build_response(update: Update) -> pb_utils.InferenceResponse:
     """The Triton response for one update; outputs the client did not ask for are left out."""
     if update.failure is not None:
-        # The stub adds TritonError & co. to pb_utils after importing model.py: look them up late.
-        code = getattr(pb_utils.TritonError, update.failure.value)
-        return pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(update.message, code))
+        return error_response(update.failure.value, update.message)
     request = update.state.request
     tensors = [pb_utils.Tensor("text_output", np.array([update.text.encode("utf-8")], dtype=np.object_))]
     if request.return_finish_reason:  # as the vLLM backend sends it: "None" until the final response
@@ -70,12 +75,32 @@ def build_response(update: Update) -> pb_utils.InferenceResponse:
     return pb_utils.InferenceResponse(output_tensors=tensors)
 
 
-class ResponseLoop:
-    """Sends queued updates in order; exactly one FINAL per request, since the engine emits one."""
+def error_response(code: str, message: str) -> pb_utils.InferenceResponse:
+    # The stub adds TritonError & co. to pb_utils after importing model.py: look them up late.
+    error = pb_utils.TritonError(message, getattr(pb_utils.TritonError, code))
+    return pb_utils.InferenceResponse(output_tensors=[], error=error)
 
-    def __init__(self, log: Log, on_final: Callable[[Update], None]):
+
+class ResponseLoop:
+    """Sends queued updates in order; exactly one FINAL per request, since the engine emits one.
+
+    A response that cannot be built becomes a final INTERNAL error, and a final one that cannot be
+    sent is retried as a bare final flag: whatever fails, the thread goes on and the client is
+    answered. `served()` (the server's readiness of this model) turning false calls `on_unload()`.
+    """
+
+    def __init__(
+        self,
+        log: Log,
+        on_final: Callable[[Update], None],
+        served: Callable[[], bool] = lambda: True,
+        on_unload: Callable[[], None] = lambda: None,
+    ):
         self.log = log
         self.on_final = on_final
+        self.served, self.on_unload = served, on_unload
+        self.unloading = False
+        self.last_served_check = time.monotonic()
         # Updates to send, requests to watch for cancellation, work to run once what is before it
         # was sent, or None to stop.
         self.queue: queue.SimpleQueue[Update | RequestState | Callable[[], None] | None] = queue.SimpleQueue()
@@ -108,34 +133,76 @@ class ResponseLoop:
             try:
                 item = self.queue.get(timeout=CANCEL_POLL_S)
             except queue.Empty:
-                self._poll_cancellations()
-                continue
+                item = _NOTHING
             if item is None:
                 return
-            if isinstance(item, RequestState):
-                self.in_flight.add(item)
-            elif isinstance(item, Update):
-                self._send(item)
-            else:
-                try:
-                    item()
-                except Exception:
-                    self.log.log_error(f"Error after the responses were sent: {traceback.format_exc()}")
-            if time.monotonic() - self.last_poll >= CANCEL_POLL_S:
-                self._poll_cancellations()
+            try:
+                self._handle(item)
+                if time.monotonic() - self.last_poll >= CANCEL_POLL_S:
+                    self._poll_cancellations()
+                    self._check_served()
+            except Exception:  # this is the only thread that answers clients: it must go on
+                self.log.log_error(f"Error in the response thread: {traceback.format_exc()}")
+
+    def _handle(self, item: Update | RequestState | Callable[[], None]) -> None:
+        if item is _NOTHING:
+            return
+        if isinstance(item, RequestState):
+            self.in_flight.add(item)
+        elif isinstance(item, Update):
+            self._send(item)
+        else:
+            try:
+                item()
+            except Exception:
+                self.log.log_error(f"Error after the responses were sent: {traceback.format_exc()}")
 
     def _send(self, update: Update) -> None:
         state = update.state
-        flags = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if update.final else 0
+        if state.answered:  # it already got a final error in place of a response that failed
+            return
+        final = update.final
         try:
-            state.sender.send(build_response(update), flags=flags)
-            if not update.final:
+            response = build_response(update)
+        except Exception as error:
+            self.log.log_error(f"Error building a response for request {state.id}: {traceback.format_exc()}")
+            response, final = error_response("INTERNAL", f"Error building the response: {error}"), True
+            state.cancelled = True  # the engine stops generating for it
+        flags = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0
+        try:
+            state.sender.send(response, flags=flags)
+            if not final:
                 state.cancelled = state.sender.is_cancelled()
         except Exception:  # a vanished client must not stop the responses of the others
             self.log.log_error(f"Error sending a response for request {state.id}: {traceback.format_exc()}")
-        if update.final:
+            if final:
+                self._complete(state)
+        if final:
+            state.answered = True
             self.in_flight.discard(state)
-            self.on_final(update)
+            try:
+                self.on_final(update)
+            except Exception:
+                self.log.log_error(f"Error recording request {state.id}: {traceback.format_exc()}")
+
+    def _complete(self, state: RequestState) -> None:
+        """The bare final flag, so the request completes even when its final response failed."""
+        try:
+            state.sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        except Exception:
+            self.log.log_error(f"Could not complete request {state.id}: {traceback.format_exc()}")
+
+    def _check_served(self) -> None:
+        """While requests are in flight, at most every SERVED_POLL_S: is the model still served?"""
+        if self.unloading or not self.in_flight:
+            return
+        if time.monotonic() - self.last_served_check < SERVED_POLL_S:
+            return
+        self.last_served_check = time.monotonic()
+        if not self.served():
+            self.unloading = True
+            self.log.log_info(f"The model is being unloaded: ending {len(self.in_flight)} requests in flight")
+            self.on_unload()
 
     def _poll_cancellations(self) -> None:
         """Ask every request still in flight: one IPC each, at most every CANCEL_POLL_S."""

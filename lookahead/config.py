@@ -92,6 +92,11 @@ MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 256
 MAX_TOKEN_ID_LIST = 4096  # stop_token_ids and logit_bias entries
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs, OpenAI's top_logprobs bound
+MAX_LOGIT_BIAS = 100  # OpenAI's and vLLM's bound; larger ones overflow the logits
+# Dividing a logit by a penalty near 0 overflows fp32 into inf/nan; beyond these bounds a penalty
+# changes nothing more anyway.
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
+MAX_STOP_WORDS = 256  # stop_words entries; each one is looked up in the tokenizer
 
 
 def _number(name: str, value: Any, *, integer: bool = False) -> Any:
@@ -208,7 +213,9 @@ class SamplingParams:
         _require(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
         _require(0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}")
         _require(
-            self.repetition_penalty > 0, f"repetition_penalty must be > 0, got {self.repetition_penalty}"
+            REPETITION_PENALTY_RANGE[0] <= self.repetition_penalty <= REPETITION_PENALTY_RANGE[1],
+            f"repetition_penalty must be in [{REPETITION_PENALTY_RANGE[0]}, {REPETITION_PENALTY_RANGE[1]}], "
+            f"got {self.repetition_penalty}",
         )
         for name in ("presence_penalty", "frequency_penalty"):
             _require(-2 <= getattr(self, name) <= 2, f"{name} must be in [-2, 2], got {getattr(self, name)}")
@@ -239,6 +246,10 @@ class SamplingParams:
             for token, value in dict(self.logit_bias).items()
         }
         _require(all(t >= 0 for t in bias), "logit_bias keys must be token ids (>= 0)")
+        _require(
+            all(-MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS for b in bias.values()),
+            f"logit_bias values must be in [-{MAX_LOGIT_BIAS}, {MAX_LOGIT_BIAS}]",
+        )
         _require(len(bias) <= MAX_TOKEN_ID_LIST, f"logit_bias may hold at most {MAX_TOKEN_ID_LIST} entries")
         set_("logit_bias", bias)
         for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):

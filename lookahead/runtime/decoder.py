@@ -43,6 +43,8 @@ if TYPE_CHECKING:
 
 __all__ = ["Generation", "GenerationStats", "LookaheadDecoder", "StepOutput"]
 
+STOP_WORDS_CACHED = 64  # distinct stop_words lists whose token ids are kept
+
 # Prompt positions whose logits exist at once when prompt logprobs are scored (rows x vocab floats).
 _SCORED_ROWS = 256
 # The trie's probabilities overstate acceptance about threefold until calibrated (the shared
@@ -130,6 +132,8 @@ class LookaheadDecoder:
         """The token ids of LookaheadConfig.stop_words (see stop_words.py); ValueError for a bad entry."""
         if words not in self._stop_words:
             vocab_size = self.model.get_input_embeddings().num_embeddings
+            if len(self._stop_words) >= STOP_WORDS_CACHED:  # requests choose the keys: keep it bounded
+                del self._stop_words[next(iter(self._stop_words))]  # the oldest
             self._stop_words[words] = stop_word_ids(words, self.tokenizer, vocab_size)
         return self._stop_words[words]
 

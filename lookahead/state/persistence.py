@@ -10,11 +10,16 @@ columns with their dtypes; with fleet sync on, also `stream`: the instance's pla
 stream (sync.py), so that a restart resumes there instead of inserting the history twice.
 Token ids mean nothing under another tokenizer, so a snapshot from another model is refused. A
 server must come up even when its snapshot is unusable, so loading never raises on a bad file:
-it logs why, naming the file, and starts with an empty trie.
+it logs why, naming the file, moves the file aside to `<name>.rejected` (so the next save does
+not destroy the evidence) and starts with an empty trie.
+
+`claim_snapshot` keeps two servers from sharing one snapshot: each would overwrite the other's
+file at every save.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import logging
@@ -47,6 +52,10 @@ class Snapshot:
 
     trie: NGramTrie
     stream: dict[str, Any] = field(default_factory=dict)
+
+
+class SnapshotInUse(RuntimeError):
+    """Another running server writes this snapshot."""
 
 
 def _disk_dtype(dtype: type) -> np.dtype:
@@ -144,8 +153,16 @@ def load_snapshot(
         snapshot = _decode(
             data, capacity=capacity, max_depth=max_depth, fingerprint=fingerprint, vocab_size=vocab_size
         )
-    except SnapshotError as error:
-        logger.error("Ignoring trie snapshot %s: %s; starting with an empty trie", path, error)
+    except Exception as error:  # SnapshotError, or whatever else a crafted file provokes
+        reason = error if isinstance(error, SnapshotError) else f"undecodable ({type(error).__name__})"
+        rejected = path.with_name(path.name + ".rejected")
+        try:
+            os.replace(path, rejected)
+        except OSError as move_error:
+            kept = f"could not move it aside ({move_error})"
+        else:
+            kept = f"moved to {rejected}"
+        logger.error("Ignoring trie snapshot %s: %s; %s; starting with an empty trie", path, reason, kept)
         return empty
     logger.info("Loaded trie snapshot %s: %d nodes (capacity %d)", path, snapshot.trie.node_count, capacity)
     return snapshot
@@ -166,10 +183,12 @@ def _decode(
         )
     try:
         header = json.loads(data[start : start + header_length])
-        node_count = int(header["node_count"])
-        column_bytes = [(node_count + 1) * _disk_dtype(dtype).itemsize for _, dtype in STORED.values()]
-    except (ValueError, KeyError, TypeError) as error:
+    except ValueError as error:
         raise SnapshotError(f"unreadable header ({error})") from None
+    node_count = header.get("node_count") if isinstance(header, dict) else None
+    if type(node_count) is not int or node_count < 0:
+        raise SnapshotError(f"unreadable header (node_count {node_count!r} is not a count)")
+    column_bytes = [(node_count + 1) * _disk_dtype(dtype).itemsize for _, dtype in STORED.values()]
     expected = start + header_length + sum(column_bytes) + _DIGEST_BYTES
     if len(data) != expected:
         raise SnapshotError(f"truncated or padded file: {len(data)} bytes, expected {expected}")
@@ -197,3 +216,36 @@ def _decode(
         raise SnapshotError(f"inconsistent trie ({error})") from None
     stream = header.get("stream")
     return Snapshot(trie, stream if isinstance(stream, dict) else {})
+
+
+def claim_snapshot(path: str | os.PathLike[str], server_pid: int) -> None:
+    """Record that the server process `server_pid` writes the snapshot at `path` (in `<name>.lock`).
+
+    Raises SnapshotInUse when another live server holds it. The instances of one server share the
+    claim: a reloaded instance starts before the one it replaces has finalized. A dead holder's
+    claim is taken over.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_name(path.name + ".lock"), "a+") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # two servers starting together take turns here
+        lock.seek(0)
+        holder = lock.read().strip()
+        if holder.isdigit() and int(holder) != server_pid and _alive(int(holder)):
+            raise SnapshotInUse(
+                f"trie snapshot {path} is written by another running server (pid {holder}); "
+                "give each server its own trie_state_dir"
+            )
+        lock.seek(0)
+        lock.truncate()
+        lock.write(str(server_pid))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True

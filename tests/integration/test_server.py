@@ -322,7 +322,11 @@ def test_custom_metrics_count_the_work(server):
     def values() -> dict[str, float]:
         with urllib.request.urlopen(server.metrics_url, timeout=10) as reply:
             text = reply.read().decode()
-        found = re.findall(r'^(lookahead_\w+)\{model="lookahead",version="1"\} (\S+)$', text, re.MULTILINE)
+        found = re.findall(
+            r'^(lookahead_\w+)\{instance="lookahead_0_0",model="lookahead",pid="\d+",version="1"\} (\S+)$',
+            text,
+            re.MULTILINE,
+        )
         return {name: float(value) for name, value in found}
 
     names = [

@@ -5,13 +5,21 @@ from __future__ import annotations
 import json
 import threading
 import time
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
 
-from backend.engine import SHUTDOWN_MESSAGE, Engine, FailureCode, RequestState, Update
+from backend.engine import (
+    QUEUE_FULL,
+    SHUTDOWN_MESSAGE,
+    Engine,
+    FailureCode,
+    RequestState,
+    Update,
+)
 from backend.request import (
     STREAMING_ECHO_ERROR,
     DictInputs,
@@ -632,8 +640,12 @@ def wait_until(condition, timeout_s: float = 5.0) -> bool:
 
 
 def test_stop_words_and_debug_are_per_request_overrides():
-    request = parse(sampling_parameters=sampling({"stop_words": [",", 13], "debug": True}))
-    assert request.lookahead.stop_words == (",", 13) and request.lookahead.debug
+    debugging = RequestLimits(
+        replace(LIMITS.lookahead, debug=True), max_prompt_tokens=20, max_output_tokens=64
+    )
+    options = sampling({"stop_words": [",", 13], "debug": False})
+    request = parse(limits=debugging, sampling_parameters=options)
+    assert request.lookahead.stop_words == (",", 13) and not request.lookahead.debug
     assert parse(sampling_parameters=sampling({"stop_words": " "})).lookahead.stop_words == (" ",)
     with pytest.raises(RequestError, match="stop_words must be a list of strings and token ids, got"):
         parse(sampling_parameters=sampling({"stop_words": [True]}))
@@ -730,7 +742,17 @@ def test_numbers_and_booleans_may_arrive_as_strings():
         ({"seed": -(2**63) - 1}, "seed must be a 64-bit integer"),
         ({"temperature": "inf", "min_tokens": 4}, "temperature must be a finite number"),
         ({"temperature": "nan"}, "temperature must be a finite number"),
-        ({"repetition_penalty": 0}, "repetition_penalty must be > 0"),
+        ({"repetition_penalty": 0}, "repetition_penalty must be in [0.01, 100.0]"),
+        ({"repetition_penalty": 1e-45}, "repetition_penalty must be in [0.01, 100.0]"),
+        ({"repetition_penalty": 1e39}, "repetition_penalty must be in [0.01, 100.0]"),
+        ({"logit_bias": {"5": 1e39}}, "logit_bias values must be in [-100, 100]"),
+        ({"logit_bias": {"5": -101}}, "logit_bias values must be in [-100, 100]"),
+        (
+            {"stop_words": [str(i) for i in range(200_000)]},
+            "stop_words may hold at most 256 entries, got 200000",
+        ),
+        ({"stop_words": ["z" * 100]}, "stop_words must be a list of strings and token ids"),
+        ({"debug": True}, "debug cannot be enabled: the model's config.pbtxt has debug off"),
         ({"presence_penalty": 2.5}, "presence_penalty must be in [-2, 2]"),
         ({"min_p": 1.5}, "min_p must be in [0, 1]"),
         ({"top_k": -2}, "top_k must be -1 or 0 (off) or >= 1"),
@@ -898,3 +920,80 @@ def test_the_constraint_remembers_the_key_that_set_it():
 def test_a_malformed_constraint_is_refused_naming_its_key(options, message):
     with pytest.raises(RequestError, match=message):
         parse(sampling_parameters=sampling(options))
+
+
+def test_requests_beyond_max_queued_requests_get_unavailable_at_once():
+    engine, decoder, recorder = run_engine(
+        {name: steps("1", "2") for name in "abcd"}, max_running_requests=1, max_queued_requests=2
+    )
+    decoder.gate.clear()
+    states = [submit(engine, name, stream=True, prepend_input=False) for name in "abcd"]
+    engine.start()
+    recorder.wait_finals(1)  # d: a runs, b and c wait, d is one too many
+    assert [(u.failure, u.message) for u in recorder.of(states[3])] == [
+        (FailureCode.UNAVAILABLE, QUEUE_FULL.format(count=2))
+    ]
+    decoder.gate.set()
+    recorder.wait_finals(3)
+    engine.stop()
+    assert decoder.order == ["a", "a", "b", "b", "c", "c"]
+
+
+def test_a_request_waiting_longer_than_queue_timeout_s_gets_unavailable():
+    engine, decoder, recorder = run_engine(
+        {"a": steps(*"12345678"), "b": steps("1")}, max_running_requests=1, queue_timeout_s=0.2
+    )
+    decoder.gate.clear()
+    submit(engine, "a", stream=True, prepend_input=False)
+    waiting = submit(engine, "b", stream=True, prepend_input=False)
+    engine.start()
+    time.sleep(0.4)
+    decoder.gate.set()
+    recorder.wait_finals(2)
+    engine.stop()
+    [final] = recorder.of(waiting)
+    assert final.failure is FailureCode.UNAVAILABLE and "more than queue_timeout_s (0.2)" in final.message
+    assert "b" not in decoder.order
+
+
+def test_unload_ends_running_and_later_requests_with_unavailable_before_they_finish():
+    engine, decoder, recorder = run_engine({"a": steps(*"abcdefgh"), "b": steps("1")})
+    running = submit(engine, "a", stream=True, prepend_input=False)
+    decoder.gate.clear()
+    engine.start()
+    time.sleep(0.05)
+    engine.unload()
+    decoder.gate.set()
+    recorder.wait_finals(1)
+    later = submit(engine, "b", stream=True, prepend_input=False)
+    recorder.wait_finals(1)
+    assert engine.running  # finalize() stops it later and takes the snapshot
+    engine.stop()
+    for state in (running, later):
+        assert [(u.failure, u.message) for u in recorder.of(state) if u.final] == [
+            (FailureCode.UNAVAILABLE, SHUTDOWN_MESSAGE)
+        ]
+    assert decoder.order.count("a") < 8 and "b" not in decoder.order
+
+
+def test_json_nested_too_deeply_is_an_invalid_argument():
+    with pytest.raises(RequestError, match="sampling_parameters is nested too deeply"):
+        parse(sampling_parameters=strings("[" * 100_000))
+
+
+def test_prompt_token_ids_outside_the_vocabulary_are_refused():
+    limits = RequestLimits(LIMITS.lookahead, max_prompt_tokens=20, max_output_tokens=64, vocab_size=ord("z"))
+    assert parse(limits=limits, text_input=strings("Hello")).prompt_ids == tuple(map(ord, "Hello"))
+    with pytest.raises(RequestError, match="tokenizes to id 122, outside the model's vocabulary \\(122\\)"):
+        parse(limits=limits, text_input=strings("zebra"))
+
+
+def test_return_perf_metrics_is_refused_where_acceptance_outputs_are_off():
+    private = RequestLimits(
+        LIMITS.lookahead, max_prompt_tokens=20, max_output_tokens=64, acceptance_outputs=False
+    )
+    flag = np.array([True])
+    assert parse(return_perf_metrics=flag).return_perf_metrics
+    with pytest.raises(RequestError, match="return_perf_metrics is turned off on this model"):
+        parse(limits=private, return_perf_metrics=flag)
+    assert not parse(limits=private, return_perf_metrics=np.array([False])).return_perf_metrics

@@ -4,15 +4,24 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import random
 import struct
+import subprocess
 
 import numpy as np
 import pytest
 
 from lookahead.algorithm.retrieval import retrieve_draft
 from lookahead.algorithm.trie import NO_NODE, NGramTrie
-from lookahead.state.persistence import FORMAT_VERSION, MAGIC, load_trie, save_trie
+from lookahead.state.persistence import (
+    FORMAT_VERSION,
+    MAGIC,
+    SnapshotInUse,
+    claim_snapshot,
+    load_trie,
+    save_trie,
+)
 
 FINGERPRINT = "HuggingFaceTB/SmolLM2-135M-Instruct@tokenizer-sha256:0123"
 
@@ -193,3 +202,104 @@ def test_a_snapshot_holding_token_ids_outside_the_vocabulary_is_refused(tmp_path
         loaded = load_trie(path, capacity=100, max_depth=4, fingerprint=FINGERPRINT, vocab_size=256)
     assert loaded.node_count == 0
     assert "token ids outside the model's vocabulary (size 256)" in caplog.text
+
+
+# A snapshot is read at every model load: whatever the file holds, the load goes on.
+
+
+def _resealed(data: bytes, header: bytes) -> bytes:
+    """`data` with its header replaced by `header`, checksum recomputed."""
+    header_length = struct.unpack_from("<I", data, len(MAGIC) + 4)[0]
+    start = len(MAGIC) + 8
+    body = data[: len(MAGIC)] + struct.pack("<II", FORMAT_VERSION, len(header)) + header
+    body += data[start + header_length : -32]
+    return body + hashlib.sha256(body).digest()
+
+
+def _load_quietly(path, caplog) -> NGramTrie:
+    with caplog.at_level(logging.ERROR, logger="lookahead"):
+        return load_trie(path, capacity=1000, max_depth=8, fingerprint=FINGERPRINT, vocab_size=64)
+
+
+@pytest.mark.parametrize(
+    "node_count",
+    ["Infinity", "-Infinity", "NaN", "-1", "1e400", "1.5", "true", "null", '"3"', "[]", str(2**64)],
+)
+def test_a_checksummed_header_with_an_impossible_node_count_gives_an_empty_trie(tmp_path, caplog, node_count):
+    small = NGramTrie(capacity=100, max_depth=8)
+    small.insert([1, 2, 3])
+    path = tmp_path / "trie.bin"
+    save_trie(small, path, FINGERPRINT)
+    data = path.read_bytes()
+    header_length = struct.unpack_from("<I", data, len(MAGIC) + 4)[0]
+    raw = data[len(MAGIC) + 8 : len(MAGIC) + 8 + header_length].decode()
+    assert f'"node_count": {small.node_count}' in raw
+    raw = raw.replace(f'"node_count": {small.node_count}', f'"node_count": {node_count}')
+    path.write_bytes(_resealed(path.read_bytes(), raw.encode()))
+    assert _load_quietly(path, caplog).node_count == 0
+    assert "Ignoring trie snapshot" in caplog.text and "starting with an empty trie" in caplog.text
+
+
+@pytest.mark.parametrize(
+    "header",
+    [
+        b"[]",
+        b"null",
+        b"1e999",
+        b"[" * 100_000,
+        b'{"node_count": 0}',
+        b"\xff\xfe",
+        b"",
+        b'{"node_count": 99999999999}',
+    ],
+)
+def test_a_checksummed_file_with_any_header_gives_an_empty_trie(tmp_path, caplog, header):
+    path = tmp_path / "trie.bin"
+    save_trie(NGramTrie(capacity=100, max_depth=8), path, FINGERPRINT)
+    path.write_bytes(_resealed(path.read_bytes(), header))
+    assert _load_quietly(path, caplog).node_count == 0
+    assert "Ignoring trie snapshot" in caplog.text
+
+
+def test_random_bytes_and_every_truncation_give_an_empty_trie(tmp_path, caplog):
+    small = NGramTrie(capacity=100, max_depth=8)
+    small.insert([1, 2, 3, 4, 5])
+    path = tmp_path / "trie.bin"
+    save_trie(small, path, FINGERPRINT)
+    data = path.read_bytes()
+    rng = random.Random(0)
+    candidates = [data[:cut] for cut in range(len(data))]
+    candidates += [MAGIC + bytes(rng.randrange(256) for _ in range(rng.randrange(200))) for _ in range(200)]
+    candidates += [bytes(rng.randrange(256) for _ in range(rng.randrange(200))) for _ in range(50)]
+    for candidate in candidates:
+        path.write_bytes(candidate)
+        assert _load_quietly(path, caplog).node_count == 0
+
+
+def test_a_rejected_snapshot_is_kept_aside_and_the_next_save_does_not_touch_it(tmp_path, trie, caplog):
+    path = tmp_path / "lookahead_0_0.trie"
+    save_trie(trie, path, FINGERPRINT)
+    corrupt = _corrupt_flip_a_column_byte(path.read_bytes())
+    path.write_bytes(corrupt)
+    with caplog.at_level(logging.ERROR, logger="lookahead"):
+        loaded = load_trie(path, capacity=50_000, max_depth=8, fingerprint=FINGERPRINT)
+    rejected = tmp_path / "lookahead_0_0.trie.rejected"
+    assert f"moved to {rejected}" in caplog.text
+    save_trie(loaded, path, FINGERPRINT)
+    assert rejected.read_bytes() == corrupt
+    assert load_trie(path, capacity=100, max_depth=8, fingerprint=FINGERPRINT).node_count == 0
+
+
+def test_a_second_server_cannot_claim_a_snapshot_a_live_server_holds(tmp_path):
+    path = tmp_path / "lookahead_0_0.trie"
+    other = subprocess.Popen(["sleep", "60"])  # stands for another running tritonserver
+    try:
+        claim_snapshot(path, other.pid)
+        claim_snapshot(path, other.pid)  # its own instances (and a reloaded one) share the claim
+        with pytest.raises(SnapshotInUse, match=f"written by another running server \\(pid {other.pid}\\)"):
+            claim_snapshot(path, os.getpid())
+    finally:
+        other.kill()
+        other.wait()
+    claim_snapshot(path, os.getpid())  # a dead server's claim is taken over
+    assert (tmp_path / "lookahead_0_0.trie.lock").read_text() == str(os.getpid())

@@ -11,6 +11,7 @@ from lookahead.algorithm.draft import FROM_COPY, FROM_SHARED_TRIE
 from lookahead.algorithm.retrieval import retrieve_draft
 from lookahead.algorithm.spans import Copy
 from lookahead.algorithm.trie import NO_NODE
+from lookahead.runtime.decoder import STOP_WORDS_CACHED
 from tests.helpers import plain_greedy, repetitive_prompt
 
 
@@ -104,3 +105,10 @@ def test_debug_logs_every_step_of_the_request(tiny_model, byte_tokenizer) -> Non
     assert accepted == generation.stats.accepted_draft_tokens
     decoder.generate(prompt, SamplingParams(max_tokens=4))  # debug off: nothing more
     assert len(lines) == generation.stats.steps + 1
+
+
+def test_the_stop_words_cache_keeps_a_bounded_number_of_lists(tiny_model, byte_tokenizer) -> None:
+    decoder = LookaheadDecoder(tiny_model("llama"), byte_tokenizer, None, LookaheadConfig())
+    for count in range(3 * STOP_WORDS_CACHED):
+        assert decoder.stop_word_ids((count % 256, "x")) == frozenset({count % 256, ord("x")})
+    assert len(decoder._stop_words) == STOP_WORDS_CACHED
