@@ -54,6 +54,7 @@ REQUEST_KEYS = (
     "decoding_mode",
     "stop_words",
     "debug",
+    "learn",
 )
 DECODING_MODES = ("hier", "par", "one")
 

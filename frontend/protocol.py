@@ -90,6 +90,7 @@ class _Request(_Body):
     decoding_mode: str | None = None
     stop_words: list[str | int] | None = None
     debug: bool | None = None
+    learn: bool | None = None
 
     @field_validator("n")
     @classmethod

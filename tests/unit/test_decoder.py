@@ -219,7 +219,7 @@ def test_a_stop_string_inside_a_step_ending_inside_a_character_is_found(tiny_mod
 def test_tokens_accepted_after_a_stop_string_are_not_counted_nor_learned(tiny_model, byte_tokenizer) -> None:
     model = tiny_model("llama")
     gen = started(model, byte_tokenizer, [1, 2, 3], max_tokens=16, stop=("STOP",))
-    trie = gen.decoder.trie
+    trie = gen.shared.trie
     out = gen.commit(list(b"xSTOPyz"))
     assert (out.text, out.finish_reason) == ("x", "stop")
     assert out.token_ids == gen.output_ids == list(b"xSTOP")

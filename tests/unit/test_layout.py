@@ -17,7 +17,8 @@ PACKAGE = Path(__file__).resolve().parents[2] / "lookahead"
 # sub-package -> the sub-packages (and top-level modules) it may import from
 ALLOWED = {
     "algorithm": {"algorithm", "config"},
-    "runtime": {"runtime", "algorithm", "config"},
+    "runtime": {"runtime", "algorithm", "config", "structured"},
+    "structured": {"structured", "algorithm", "config"},
     "state": {"state", "algorithm", "config"},
     "models": {"models", "runtime", "config", "cpu"},
     "cpu": {"cpu", "runtime", "config"},
