@@ -332,7 +332,7 @@ class LookaheadDecoder:
                 free -= need
             elif partial is None:
                 partial = gen
-        chunks = sum(gen.root - gen.fed for gen in rooted)
+        chunks = sum(gen.root - gen.fed for gen in rooted if not gen.prefilled)
         capped = self.max_speculative_batch and len(gens) > self.max_speculative_batch
         room = max(0, free if partial is None else int(free * DRAFT_SHARE_BESIDE_PROMPT))
         drafts = []

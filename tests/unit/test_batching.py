@@ -108,6 +108,26 @@ def test_a_long_prompt_is_read_in_chunks_while_a_stream_goes_on(tiny_model, byte
     assert decoder.step([alone])[0].token_ids  # no stream to stall: the prompt is read whole
 
 
+def test_only_prompt_tokens_still_to_read_are_priced_beside_the_drafts(
+    tiny_model, byte_tokenizer, monkeypatch
+) -> None:
+    from lookahead.runtime import decoder as decoder_module
+
+    seen: list[int] = []
+    plan_step = decoder_module.plan_step
+
+    def recorded(*args, other_tokens=0):
+        seen.append(other_tokens)
+        return plan_step(*args, other_tokens=other_tokens)
+
+    monkeypatch.setattr(decoder_module, "plan_step", recorded)
+    decoder = LookaheadDecoder(tiny_model("llama"), byte_tokenizer, step_token_budget=64)
+    gen = decoder.start(list(range(1, 30)), SamplingParams(max_tokens=6, ignore_eos=True))
+    while not gen.finished:
+        gen.step()
+    assert seen[0] == 28 and set(seen[1:]) == {0}  # the prompt, then nothing but the drafts
+
+
 def test_seeded_sampling_in_a_batch_matches_sampling_alone(tiny_model, byte_tokenizer) -> None:
     model = tiny_model("llama")
     rng = random.Random(3)
