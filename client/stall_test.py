@@ -2,9 +2,9 @@
 
 For each model: one request streams --stream-tokens tokens; once it has sent a few responses, a
 second request arrives with a prompt of about --long-tokens tokens (HumanEval prompts end to
-end). The streaming request's gaps between responses are timed: their median before the long
-prompt arrived, and the longest one until the long prompt's answer came back, which is what a
-user of the running stream sees while the new prompt is read.
+end, within the default max_prompt_tokens). The streaming request's gaps between responses are
+timed: their median before the long prompt arrived, and the longest one until the long prompt's
+answer came back, which is what a user of the running stream sees while the new prompt is read.
 
     python -m scripts.stall_test --start-server --models lookahead baseline
 """
@@ -99,7 +99,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--warm-trie", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--model-repository", type=Path, default=REPO_ROOT / "model_repository")
     parser.add_argument("--models", nargs="+", default=["lookahead", "baseline"])
-    parser.add_argument("--long-tokens", type=int, default=4000, help="about this many prompt tokens")
+    parser.add_argument("--long-tokens", type=int, default=3600, help="about this many prompt tokens")
     parser.add_argument("--stream-tokens", type=int, default=512, help="tokens the running stream asks for")
     parser.add_argument("--out", type=Path, default=Path("results/stall_test"))
     return parser.parse_args(argv)
