@@ -357,9 +357,9 @@ def test_the_trie_survives_a_restart(tmp_path, default_model):
     with launch(repository, tmp_path / "cold.log") as cold_server:
         # Triton hands sequential requests to the instances in turn: each sees the prompt once, cold.
         cold = [generate(cold_server, "lookahead", body) for _ in range(2)]
-    files = sorted(path.name for path in state.iterdir())
-    assert files == ["lookahead_0_0.trie", "lookahead_0_1.trie"]
-    for path in state.iterdir():
+    files = sorted(path.name for path in state.glob("*.trie"))
+    assert files == ["lookahead_0_0.trie", "lookahead_0_1.trie"]  # beside them, the servers' claims
+    for path in state.glob("*.trie"):
         trie = load_trie(
             path, capacity=200_000, max_depth=TrieConfig.depth, fingerprint=default_model.fingerprint
         )

