@@ -288,7 +288,7 @@ class LookaheadDecoder:
         outputs: dict[int, StepOutput] = {}
         for gen in generations:
             if gen.fed is None:
-                failure = _attempt(gen, lambda gen=gen: self._admit(gen))
+                failure = _isolated(gen, lambda gen=gen: self._admit(gen))
                 if failure is not None:
                     outputs[id(gen)] = failure
         works = self._plan([gen for gen in generations if id(gen) not in outputs], outputs)
@@ -516,21 +516,12 @@ class LookaheadDecoder:
         return self.forward_segments(works)
 
 
-def _isolated(gen: Generation, work: Callable[[], StepOutput]) -> StepOutput:
+def _isolated(gen: Generation, work: Callable[[], StepOutput | None]) -> StepOutput | None:
     """`work` for one generation; its exception becomes that generation's failed output."""
     try:
         return work()
     except Exception as error:
         return _failure(gen, error)
-
-
-def _attempt(gen: Generation, work: Callable[[], None]) -> StepOutput | None:
-    """`work` for one generation; its exception becomes that generation's failed output."""
-    try:
-        work()
-    except Exception as error:
-        return _failure(gen, error)
-    return None
 
 
 def _failure(gen: Generation, error: Exception) -> StepOutput:

@@ -156,11 +156,6 @@ class Generation:
         return self.ids[self.prompt_len :]
 
     @property
-    def in_pool(self) -> bool:
-        """Holds a KV pool slot (started and not yet finished)."""
-        return self.fed is not None
-
-    @property
     def root(self) -> int:
         """Position of the last prompt token: the first draft's root."""
         return self.prompt_len - 1
