@@ -19,7 +19,7 @@ import statistics
 from collections import deque
 from dataclasses import dataclass, field
 
-from .draft import Draft
+from .draft import FROM_COPY, Draft
 
 # Relative forward cost by number of new tokens, where nothing better is known (the fast CPU
 # path brings its own, measured per kernel variant: lookahead/cpu/cost_priors.py). Stock
@@ -94,43 +94,81 @@ class CostModel:
         return max(_interpolate(self._relative, q), 1.0)
 
 
+# Classes of draft nodes whose estimated probabilities mislead alike: the evidence (a copy of the
+# request's own text, or n-gram counts), the branch (the draft's best one, or a side branch) and
+# the estimated conditional probability itself, cut at these edges. Copies are reliable when
+# nearly certain and far too confident below that; n-gram estimates are close to the truth down
+# to about one half; side branches are taken far less often than their estimates say.
+CONDITIONAL_EDGES = (0.5, 0.7, 0.9)
+_BUCKETS = len(CONDITIONAL_EDGES) + 1
+NODE_CLASSES = 2 * 2 * _BUCKETS
+
+
+def node_class(copied: bool, side: bool, conditional: float) -> int:
+    """The calibration class of a node (see CONDITIONAL_EDGES)."""
+    bucket = sum(conditional >= edge for edge in CONDITIONAL_EDGES)
+    return (2 * copied + side) * _BUCKETS + bucket
+
+
 @dataclass
 class Calibration:
-    """Ratios of accepted draft tokens to the predicted sums of probabilities, for a draft's
-    first (best) branch and for its other branches apart: the others rest on weaker evidence,
-    and their probabilities overstate acceptance more.
+    """How far to trust each class of draft node (node_class): a ratio of accepted nodes to their
+    estimated conditional probabilities (of being accepted once their parent is), learned from
+    verified drafts.
 
-    The decoder keeps one across all requests; each request starts from it and adapts faster
-    to its own text.
+    A node's calibrated weight, its chance of being accepted, is its parent's weight times its
+    own ratio times its conditional probability (at most 1), so it never exceeds its parent's
+    and every plan stays a connected subtree. The decoder keeps one across all requests; each
+    request starts from it (`for_request`) and adapts faster to its own text.
     """
 
-    ratio: float = 1.0
-    side_ratio: float = 1.0
+    ratios: list[float] = field(default_factory=lambda: [1.0] * NODE_CLASSES)
     rate: float = _EMA
 
+    @classmethod
+    def uniform(cls, ratio: float, rate: float = _EMA) -> Calibration:
+        return cls([ratio] * NODE_CLASSES, rate)
+
+    def for_request(self, rate: float) -> Calibration:
+        """A copy that learns at `rate`: one request's own calibration."""
+        return Calibration(list(self.ratios), rate)
+
     def calibrated(self, draft: Draft) -> list[float]:
-        """Each node's probability times its branch's ratio, never above its parent's."""
-        first = draft.first_branch()
+        """Each node's chance of being accepted: its parent's times its calibrated conditional."""
         weights = [1.0]
-        for i in range(1, len(draft)):
-            ratio = self.ratio if i <= first else self.side_ratio
-            weights.append(min(ratio * draft.probs[i], weights[draft.parents[i]]))
+        for i, (cls, conditional) in enumerate(_classes(draft), start=1):
+            weights.append(weights[draft.parents[i]] * min(self.ratios[cls] * conditional, 1.0))
         return weights
 
     def observe(self, draft: Draft, accepted_nodes: list[int]) -> None:
-        """Learn from a fed draft and the nodes the model accepted."""
-        first = draft.first_branch()
-        on_first = sum(1 for node in accepted_nodes if node <= first)
-        self.ratio = self._updated(self.ratio, sum(draft.probs[1 : first + 1]), on_first)
-        self.side_ratio = self._updated(
-            self.side_ratio, sum(draft.probs[first + 1 :]), len(accepted_nodes) - on_first
-        )
+        """Learn from a fed draft and the nodes the model accepted. Only nodes whose parent was
+        accepted (or is the root) were put to the test; the others say nothing."""
+        accepted = set(accepted_nodes)
+        predicted = [0.0] * NODE_CLASSES
+        hits = [0] * NODE_CLASSES
+        for i, (cls, conditional) in enumerate(_classes(draft), start=1):
+            parent = draft.parents[i]
+            if parent and parent not in accepted:
+                continue
+            predicted[cls] += conditional
+            hits[cls] += i in accepted
+        for cls, expected in enumerate(predicted):
+            if expected > 0:
+                sample = min(hits[cls] / expected, 1.0)  # estimates are upper bounds: never inflate
+                ratio = self.ratios[cls]
+                self.ratios[cls] = max(MIN_CALIBRATION, ratio + self.rate * (sample - ratio))
 
-    def _updated(self, ratio: float, predicted: float, accepted: int) -> float:
-        if predicted <= 0:
-            return ratio
-        sample = min(accepted / predicted, 1.0)  # probabilities are upper bounds: never inflate them
-        return max(MIN_CALIBRATION, ratio + self.rate * (sample - ratio))
+
+def _classes(draft: Draft) -> list[tuple[int, float]]:
+    """(class, conditional probability) of every node after the root."""
+    first = draft.first_branch()
+    probs = draft.probs
+    classes = []
+    for i in range(1, len(draft)):
+        parent_prob = probs[draft.parents[i]]
+        conditional = probs[i] / parent_prob if parent_prob > 0 else 0.0
+        classes.append((node_class(bool(draft.origins[i] & FROM_COPY), i > first, conditional), conditional))
+    return classes
 
 
 def plan_step(

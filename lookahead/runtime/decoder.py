@@ -47,9 +47,9 @@ STOP_WORDS_CACHED = 64  # distinct stop_words lists whose token ids are kept
 
 # Prompt positions whose logits exist at once when prompt logprobs are scored (rows x vocab floats).
 _SCORED_ROWS = 256
-# The trie's probabilities overstate acceptance about threefold until calibrated (the shared
-# ratio settles at 0.3-0.4 on every benchmark set), so a cold decoder starts there.
-INITIAL_CALIBRATION = 0.35
+# Retrieval's conditional probabilities overstate acceptance until calibrated, so a cold decoder
+# trusts them this far.
+INITIAL_CALIBRATION = 0.7
 # While a prompt is being read, drafts may take at most this share of what the running
 # requests' roots leave of the step's budget; the prompt's chunk gets the rest.
 DRAFT_SHARE_BESIDE_PROMPT = 0.5
@@ -122,7 +122,7 @@ class LookaheadDecoder:
         # and no logits for padding rows).
         self.head_of_hidden = plain_output_layer(model)
         self.inner = model.get_decoder() if self.head_of_hidden is not None else None
-        self.calibration = Calibration(INITIAL_CALIBRATION, INITIAL_CALIBRATION)
+        self.calibration = Calibration.uniform(INITIAL_CALIBRATION)
         # Where LookaheadConfig.debug lines go (the backend sends them to the server log).
         self.debug_log: Callable[[str], None] = logging.getLogger("lookahead").info
         self._stop_words: dict[tuple[int | str, ...], frozenset[int]] = {}

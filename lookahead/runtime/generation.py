@@ -108,8 +108,7 @@ class Generation:
         self.started: float | None = None
         eos = () if params.ignore_eos else shared.eos_token_ids
         self.stop_tokens = frozenset(eos) | frozenset(params.stop_token_ids)  # tokens that end the output
-        common = shared.calibration
-        self.calibration = Calibration(common.ratio, common.side_ratio, rate=REQUEST_CALIBRATION_RATE)
+        self.calibration = shared.calibration.for_request(REQUEST_CALIBRATION_RATE)
         # min_tokens keeps EOS out even with ignore_eos, as vLLM does.
         suppressed = (*shared.eos_token_ids, *params.stop_token_ids)
         self.selector = TokenSelector(params, prompt_ids, suppressed, shared.device, grammar)

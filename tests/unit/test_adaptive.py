@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
-from lookahead.algorithm.draft import Draft
+import pytest
+
+from lookahead.algorithm.draft import FROM_COPY, FROM_SHARED_TRIE, Draft
 from lookahead.algorithm.planner import (
     GPU_PRIOR,
     MIN_CALIBRATION,
+    NODE_CLASSES,
     STOCK_CPU_PRIOR,
     Calibration,
     CostModel,
+    node_class,
     plan_step,
 )
 from lookahead.cpu.cost_priors import PRIORS
@@ -82,11 +86,14 @@ def test_calibration_learns_that_the_trie_is_overconfident() -> None:
     assert len(choose_draft(confident, CostModel(STOCK_CPU_PRIOR), calibration)) == 9
     for _ in range(50):
         calibration.observe(confident, accepted_nodes=[])
-    assert calibration.ratio == MIN_CALIBRATION
+    first = node_class(copied=False, side=False, conditional=0.9)
+    assert calibration.ratios[first] == MIN_CALIBRATION
+    # Only the first node was put to the test (the others' parents were rejected): no other class moved.
+    assert [r for c, r in enumerate(calibration.ratios) if c != first] == [1.0] * (NODE_CLASSES - 1)
     # Still a one-token draft, so that the request goes on learning whether drafts pay again.
     assert len(choose_draft(confident, CostModel(STOCK_CPU_PRIOR), calibration)) == 2
     calibration.observe(confident, accepted_nodes=[1])
-    assert calibration.ratio > MIN_CALIBRATION
+    assert calibration.ratios[first] > MIN_CALIBRATION
 
 
 def test_side_branches_are_calibrated_apart_from_the_first() -> None:
@@ -96,13 +103,41 @@ def test_side_branches_are_calibrated_apart_from_the_first() -> None:
     calibration = Calibration()
     for _ in range(50):  # the model always follows the first branch
         calibration.observe(tree, accepted_nodes=[1, 2, 3])
-    assert calibration.ratio == 1.0 and calibration.side_ratio == MIN_CALIBRATION
+    side = node_class(copied=False, side=True, conditional=0.6)
+    assert calibration.ratios[side] == MIN_CALIBRATION
     weights = calibration.calibrated(tree)
-    assert weights[:4] == tree.probs[:4] and weights[4:] == [0.6 * MIN_CALIBRATION, 0.5 * MIN_CALIBRATION]
+    assert weights[:4] == pytest.approx(tree.probs[:4])
+    assert weights[4:] == pytest.approx([0.6 * MIN_CALIBRATION, 0.5 * MIN_CALIBRATION])
     assert choose_draft(tree, CostModel(STOCK_CPU_PRIOR), calibration).tokens == [9, 1, 2, 3]
     assert choose_draft(tree, CostModel(STOCK_CPU_PRIOR), Calibration()).tokens == tree.tokens
-    # a side node is never weighted above its parent, so every plan stays a connected subtree
-    assert Calibration(ratio=0.2, side_ratio=1.0).calibrated(tree)[4] == 0.2 * 0.9
+    # a node is never weighted above its parent, so every plan stays a connected subtree
+    distrusted_first = Calibration()
+    for conditional in (0.0, 0.6, 0.8, 0.95):
+        distrusted_first.ratios[node_class(copied=False, side=False, conditional=conditional)] = 0.2
+    weights = distrusted_first.calibrated(tree)
+    assert weights[4] <= weights[1] == pytest.approx(0.2 * 0.9)
+
+
+def test_copies_are_calibrated_apart_from_n_gram_estimates() -> None:
+    # The same estimates, once from a copy of the request's text and once from n-gram counts.
+    copied = Draft([0, 1, 2], [-1, 0, 1], [1.0, 0.75, 0.6], [0, FROM_COPY, FROM_COPY])
+    counted = Draft([0, 1, 2], [-1, 0, 1], [1.0, 0.75, 0.6], [0, FROM_SHARED_TRIE, FROM_SHARED_TRIE])
+    calibration = Calibration()
+    for _ in range(50):  # copies this unsure are rarely right; the n-gram estimates are
+        calibration.observe(copied, accepted_nodes=[])
+        calibration.observe(counted, accepted_nodes=[1, 2])
+    assert calibration.calibrated(copied)[1] == pytest.approx(0.75 * MIN_CALIBRATION)
+    assert calibration.calibrated(counted) == pytest.approx(counted.probs)
+    plan = plan_step([copied, counted], [calibration] * 2, [True] * 2, CostModel(GPU_PRIOR), token_budget=4)
+    assert [len(d) for d in plan] == [1, 3]
+
+
+def test_a_request_calibration_starts_from_the_shared_one_and_learns_apart() -> None:
+    shared = Calibration.uniform(0.5)
+    own = shared.for_request(rate=0.5)
+    own.observe(chain([0.95]), accepted_nodes=[1])
+    assert shared.ratios == [0.5] * NODE_CLASSES
+    assert own.ratios[node_class(False, False, 0.95)] == pytest.approx(0.75)
 
 
 def test_the_budget_goes_node_by_node_to_the_requests_whose_drafts_pay() -> None:
