@@ -4,8 +4,10 @@ For each model and each concurrency, perf_analyzer streams requests built from a
 set over gRPC (`--streaming`, the only way it drives decoupled models) and exports the send time
 of every request and the arrival time and outputs of every response. Those give what its own
 summary lacks for streaming LLMs: time to first token, and output tokens/s from the
-`num_output_tokens` deltas. Prompts are sent as raw text (the server applies no chat template);
-every request generates exactly --max-tokens tokens (ignore_eos), so both models do equal work.
+`num_output_tokens` deltas. The server applies no chat template, so the prompts of a chat set
+(code editing, MT-Bench, GSM8K) are sent as a chat client sends them: one user turn in the served
+model's chat template (--tokenizer; --raw-prompts sends them unformatted). Every request
+generates exactly --max-tokens tokens (ignore_eos), so both models do equal work.
 Each concurrency level sends its own slice of the prompt set, to each model in turn (the first
 one alternating between levels), so that a compared pair is measured minutes, not a run, apart.
 A server started by this script (--start-server) keeps its trie snapshots under
@@ -41,6 +43,9 @@ from backend.config import STATE_DIR_ENV
 from backend.launcher import TritonServerError, free_port, start_server
 from client.ab_repository import SHARED_CACHE_ENV
 from lookahead.benchmarks.prompt_sets import PROMPT_SET_NAMES, load_prompt_set
+from lookahead.models.chat import chat_prompt
+from lookahead.models.embedded import DEFAULT_MODEL
+from lookahead.models.loading import load_tokenizer
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PERF_ANALYZER = REPO_ROOT / "scripts" / "perf_analyzer.sh"
@@ -362,6 +367,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--prompts", type=int, default=16, help="prompts per level, each level its own (HumanEval has 82)"
     )
+    parser.add_argument(
+        "--tokenizer",
+        default=os.environ.get("LOOKAHEAD_MODEL") or DEFAULT_MODEL,
+        help="the served model (embedded name or folder) whose chat template formats a chat set's prompts "
+        "(default: $LOOKAHEAD_MODEL, else the embedded default model)",
+    )
+    parser.add_argument(
+        "--raw-prompts", action="store_true", help="send a chat set's prompts without the chat template"
+    )
     parser.add_argument("--max-tokens", type=int, default=128, help="tokens generated per request")
     parser.add_argument(
         "--request-count", type=int, default=16, help="requests per point (at least 2 x concurrency)"
@@ -376,10 +390,19 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
+def request_prompts(args: argparse.Namespace) -> list[str]:
+    """The prompt set's prompts as a client sends them to a server that applies no template."""
+    prompt_set = load_prompt_set(args.prompt_set)
+    if not prompt_set.use_chat_template or args.raw_prompts:
+        return list(prompt_set.prompts)
+    tokenizer = load_tokenizer(args.tokenizer)
+    return [chat_prompt(tokenizer, [{"role": "user", "content": prompt}]) for prompt in prompt_set.prompts]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    slices = PromptSlices(load_prompt_set(args.prompt_set).prompts, args.prompts, args.max_tokens, args.out)
+    slices = PromptSlices(request_prompts(args), args.prompts, args.max_tokens, args.out)
     points: list[LoadPoint] = []
     try:
         with server_url(args) as url:
