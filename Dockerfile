@@ -45,4 +45,7 @@ RUN (command -v g++ >/dev/null || (apt-get update && apt-get install -y --no-ins
  && python3 -m lookahead prepare
 
 EXPOSE 8000 8001 8002 9000
-CMD ["tritonserver", "--model-repository=/opt/lookahead/model_repository"]
+# Through the launcher: on `docker stop` (SIGTERM) it drains the models (requests answered, tries saved)
+# before tritonserver gets the signal; give it the time: docker stop -t 45.
+STOPSIGNAL SIGTERM
+CMD ["python3", "-m", "backend.launcher", "--model-repository", "/opt/lookahead/model_repository"]

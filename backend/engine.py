@@ -39,6 +39,7 @@ QUEUE_TIMEOUT = (
 )
 ENGINE_FAILED = "the engine thread failed ({error}); the model must be reloaded (see the server log)"
 # Errors after which the device cannot be trusted for anyone: the engine stops (vLLM's health check).
+_WAKE = object()  # in the inbox: the engine thread looks at `unloading` at once, even while idle
 FATAL_ERRORS: tuple[type[BaseException], ...] = (torch.AcceleratorError,)
 
 
@@ -145,8 +146,11 @@ class Engine:
         self.max_queued_requests = max_queued_requests
         self.queue_timeout_s = queue_timeout_s
         self.unloading = False  # set once by unload(); read by the engine thread
+        self.unload_message = SHUTDOWN_MESSAGE
+        self.unloaded = threading.Event()  # set by the engine thread once unload() took effect
         self.on_stopped = on_stopped
-        self.inbox: queue.SimpleQueue[RequestState | None] = queue.SimpleQueue()
+        # Requests, _WAKE (look at `unloading` now) or None (stop).
+        self.inbox: queue.SimpleQueue[RequestState | object | None] = queue.SimpleQueue()
         self.waiting: deque[RequestState] = deque()  # validated, not yet admitted (engine thread)
         self.active: list[RequestState] = []
         self.failure: str | None = None  # why the thread died, once it has
@@ -171,11 +175,15 @@ class Engine:
             failure = self.failure
         self.emit(Update.failed(state, FailureCode.UNAVAILABLE, failure))
 
-    def unload(self) -> None:
-        """The server unloads the model: end every request in flight, and any that still arrives,
-        with UNAVAILABLE at the next step. Triton finalizes a model only after its requests got
-        their final responses, so a long stream would otherwise outlive the server's exit timeout."""
+    def unload(self, message: str = SHUTDOWN_MESSAGE) -> threading.Event:
+        """The server unloads the model or stops: end every request in flight, and any that still
+        arrives, with UNAVAILABLE (message) at the next step. Triton finalizes a model only after its
+        requests got their final responses, so a long stream would otherwise outlive the server's
+        exit timeout. Returns an event set once the engine has ended them and saved the trie."""
+        self.unload_message = message
         self.unloading = True
+        self.inbox.put(_WAKE)
+        return self.unloaded
 
     def stop(self, timeout_s: float | None = None) -> None:
         """Fail what is still in flight, stop syncing, take a last snapshot, and end the thread
@@ -188,7 +196,10 @@ class Engine:
         try:
             while self._admit():
                 if self.unloading:
-                    self._fail_everything(FailureCode.UNAVAILABLE, SHUTDOWN_MESSAGE)
+                    self._fail_everything(FailureCode.UNAVAILABLE, self.unload_message)
+                    if not self.unloaded.is_set():
+                        self._save()
+                        self.unloaded.set()
                     continue
                 self._advance()
                 if self.keeper is not None:
@@ -206,20 +217,30 @@ class Engine:
             if self.keeper is not None:
                 self.keeper.close()
                 self.log.log_info(f"Saved {self.keeper.path} ({self.keeper.trie.node_count} trie nodes)")
+            self.unloaded.set()
             if self.failure is not None and self.on_stopped is not None:
                 self.on_stopped(self.failure)
 
+    def _save(self) -> None:
+        """A snapshot now (unload: the server may never call finalize)."""
+        if self.keeper is not None:
+            self.keeper.save()
+            self.log.log_info(f"Saved {self.keeper.path} ({self.keeper.trie.node_count} trie nodes)")
+
     def _fail_everything(self, code: FailureCode, message: str) -> None:
-        """A final error for every running, waiting and queued request."""
+        """A final error for every running, waiting and queued request (a queued stop stays queued)."""
         with self.lock:
-            queued = []
+            queued, stop = [], False
             while True:
                 try:
                     item = self.inbox.get_nowait()
                 except queue.Empty:
                     break
-                if item is not None:
+                if isinstance(item, RequestState):
                     queued.append(item)
+                stop = stop or item is None
+            if stop:
+                self.inbox.put(None)
         for state in [*self.active, *self.waiting, *queued]:
             self._finish(state, Update.failed(state, code, message))
         self.waiting.clear()
@@ -239,6 +260,8 @@ class Engine:
                 continue
             if state is None:
                 return False
+            if state is _WAKE:
+                break
             self.waiting.append(state)
         self._start_waiting()
         return True

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType, TracebackType
 
+from backend.drain import Drain
 from frontend.process import Frontend, FrontendError, start_frontend
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -48,6 +49,8 @@ BACKENDS_CACHE = REPO_ROOT / ".cache" / "triton_backends"
 LOGS_DIR = REPO_ROOT / ".cache" / "logs"
 _STUB = "triton_python_backend_stub"
 _BACKEND_FILES = ("libtriton_python.so", "triton_python_backend_utils.py")
+DRAIN_TIMEOUT_S = 10.0  # how long a stop waits for the instances to drain before it signals tritonserver
+STUBS_GONE_S = 15.0  # how long a stop waits, once tritonserver exited, for its backend stubs to end
 
 
 class TritonServerError(RuntimeError):
@@ -169,8 +172,10 @@ class TritonServer:
         grpc_port: int,
         metrics_port: int,
         log_file: Path,
+        drain: Drain | None = None,
     ):
         self.process = process
+        self.drain = drain
         self.http_port = http_port
         self.grpc_port = grpc_port
         self.metrics_port = metrics_port
@@ -221,15 +226,27 @@ class TritonServer:
             return "(no log)"
         return "\n".join(text.splitlines()[-lines:])
 
-    def stop(self, timeout_s: float = 60.0) -> int:
-        """SIGTERM, so every model's finalize() runs; SIGKILL only if it outlives timeout_s."""
+    def stop(self, timeout_s: float = 60.0, signum: int = signal.SIGTERM) -> int:
+        """Drain the model instances (their requests answered, their snapshots saved) while the server
+        still relays responses, then signal it so that every model's finalize() runs; SIGKILL only
+        if it outlives timeout_s. Returns once its backend stubs have ended too (or STUBS_GONE_S)."""
         if self.process.poll() is None:
-            self.process.terminate()
+            if self.drain is not None:
+                late = self.drain.run(DRAIN_TIMEOUT_S)
+                if late:
+                    print(f"instances {sorted(late)} did not drain in {DRAIN_TIMEOUT_S:g} s", file=sys.stderr)
+            self.process.send_signal(signum)
             try:
                 self.process.wait(timeout_s)
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
+        if self.drain is not None:
+            left = self.drain.wait_gone(STUBS_GONE_S)
+            if left:
+                print(f"backend stubs {sorted(left)} still run after tritonserver exited", file=sys.stderr)
+            self.drain.remove()
+            self.drain = None
         return self.process.returncode
 
     def __enter__(self) -> TritonServer:
@@ -255,7 +272,8 @@ def start_server(
     """Start tritonserver on model_repository and return once it reports ready.
 
     Output goes to log_file (a new temporary file when None). The server runs in its own session
-    so that a Ctrl-C in the terminal reaches only the launcher, which then stops it gracefully.
+    so that a Ctrl-C in the terminal reaches only the launcher, which then stops it gracefully:
+    its instances drain through a private folder (backend/drain.py), then it gets the signal.
     """
     repository = Path(model_repository).resolve()
     if not repository.is_dir():
@@ -273,17 +291,27 @@ def start_server(
         f"--metrics-port={metrics_port}",
         *extra_args,
     ]
-    with open(log_path, "ab") as log:
-        process = subprocess.Popen(
-            command,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env={**installation.env, **(extra_env or {})},
-            start_new_session=True,
-        )
+    drain = Drain.create()
+    try:
+        with open(log_path, "ab") as log:
+            process = subprocess.Popen(
+                command,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env={**installation.env, **drain.env, **(extra_env or {})},
+                start_new_session=True,
+            )
+    except BaseException:
+        drain.remove()
+        raise
     server = TritonServer(
-        process, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port, log_file=log_path
+        process,
+        http_port=http_port,
+        grpc_port=grpc_port,
+        metrics_port=metrics_port,
+        log_file=log_path,
+        drain=drain,
     )
     try:
         server.wait_ready(ready_timeout_s)
@@ -405,15 +433,19 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     server: TritonServer | None = None
     openai: Frontend | None = None
-    stopping = False
+    stop_signal: list[int] = []  # the first SIGINT/SIGTERM once serving: the main thread stops the server
+    stop_requested = threading.Event()
 
     def forward(signum: int, frame: FrameType | None) -> None:
-        nonlocal stopping
-        stopping = True
-        if server is not None and server.process.poll() is None:
-            server.process.send_signal(signum)
-        if server is None or (args.openai_port and openai is None):
-            raise KeyboardInterrupt  # still starting: abort the readiness wait, which stops it
+        starting = server is None or (args.openai_port and openai is None)
+        if starting or stop_signal:  # a second signal: no more draining
+            if server is not None and server.process.poll() is None:
+                server.process.send_signal(signum)
+            if starting:
+                raise KeyboardInterrupt  # abort the readiness wait, which stops it
+            return
+        stop_signal.append(signum)
+        stop_requested.set()
 
     signal.signal(signal.SIGINT, forward)
     signal.signal(signal.SIGTERM, forward)
@@ -436,7 +468,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"metrics {server.metrics_url}{endpoint}\nlog: {log_path}   stop with Ctrl-C\n",
             flush=True,
         )
-        code = server.process.wait()
+        while server.process.poll() is None and not stop_requested.wait(0.5):
+            pass
+        # After a crash too: it waits for the stubs and removes the drain folder.
+        code = server.stop(signum=stop_signal[0] if stop_signal else signal.SIGTERM)
     except KeyboardInterrupt:
         if server is not None:
             server.stop()
@@ -453,7 +488,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             openai.stop()
     stop_following.set()
     follower.join()
-    return 0 if stopping and code in (0, -signal.SIGTERM, -signal.SIGINT) else code
+    return 0 if stop_signal and code in (0, -signal.SIGTERM, -signal.SIGINT) else code
 
 
 if __name__ == "__main__":

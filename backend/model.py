@@ -13,6 +13,7 @@ import gc
 import json
 import os
 import re
+import threading
 import traceback
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -30,6 +31,7 @@ from lookahead.state.sync import TrieSync, redacted, stream_key
 from lookahead.state.warmup import warm_up
 
 from .config import BackendConfig
+from .drain import DrainableLog, watch_drain
 from .engine import Engine, FailureCode, RequestState, Update
 from .metrics import LookaheadMetrics, instance_labels
 from .orphan import exit_when_orphaned
@@ -73,6 +75,9 @@ OUTPUTS = [
 
 MAX_LOGGED_ID_CHARS = 128
 ORPHAN_STOP_S = 30.0  # how long an orphaned stub waits for its engine's last step and snapshot
+DRAIN_WAIT_S = 20.0  # how long a drain waits for the engine's last step and snapshot, then the sends
+FINALIZE_SENDS_S = 5.0  # how long finalize after a drain waits for the response thread
+SERVER_STOPPING = "the server is shutting down; the request was not completed"
 
 
 def log_id(request_id: str | None) -> str:
@@ -124,7 +129,8 @@ class TritonPythonModel:
         return auto_complete_model_config
 
     def initialize(self, args: dict[str, str]) -> None:
-        self.logger = pb_utils.Logger
+        self.logger = DrainableLog(pb_utils.Logger)
+        self.drained = False
         model_config = json.loads(args["model_config"])
         if not pb_utils.using_decoupled_model_transaction_policy(model_config):
             raise pb_utils.TritonModelException(
@@ -140,7 +146,7 @@ class TritonPythonModel:
             loading = loader.submit(self._load, config, args["model_instance_name"])
             loaded, keeper, decoder = loading.result()
         self.model_name = args["model_name"]
-        self.tokenize = loaded.tokenizer.encode
+        self.tokenize, self.detokenize = loaded.tokenizer.encode, loaded.tokenizer.decode
         if config.linear_kernel == "auto" and loaded.linear_kernel == "stock" and config.device == "cpu":
             self.logger.log_warn(
                 f"{args['model_instance_name']}: linear_kernel auto chose {loaded.execution}; the fast CPU "
@@ -186,6 +192,7 @@ class TritonPythonModel:
         self.responses.start()
         self.engine.start()
         exit_when_orphaned(self._on_orphaned)
+        self.drain_watch = watch_drain(self._drain)
         self.logger.log_info(
             f"{args['model_instance_name']}: serving {loaded.name} on {config.device} "
             f"({config.dtype}, {loaded.execution}), "
@@ -210,7 +217,7 @@ class TritonPythonModel:
                 continue
             try:
                 state.request = parse_request(
-                    TritonInputs(request), self.limits, self.tokenize, self.check_request
+                    TritonInputs(request), self.limits, self.tokenize, self.check_request, self.detokenize
                 )
             except RequestError as error:
                 self.responses.put(Update.failed(state, FailureCode.INVALID_ARG, str(error)))
@@ -248,6 +255,21 @@ class TritonPythonModel:
         self.engine.unload()
         self.engine.stop(timeout_s=ORPHAN_STOP_S)
 
+    def _drain(self) -> None:
+        """The launcher stops the server: end every request with a final response and save the
+        snapshot now, while the server still relays responses (once signalled it no longer does)."""
+        self.logger.log_info(f"{self.model_name}: the server is shutting down; draining")
+        if not self.engine.unload(SERVER_STOPPING).wait(DRAIN_WAIT_S):
+            self.logger.log_error(f"{self.model_name}: the engine did not drain within {DRAIN_WAIT_S:g} s")
+        sent = threading.Event()
+        self.responses.after_queued(sent.set)
+        sent.wait(DRAIN_WAIT_S)
+        # Once signalled the server relays no IPC: drop the metrics (their destructors call it) and
+        # log directly from now on, so that finalize needs nothing from the server.
+        self._close_metrics()
+        self.logger.log_info(f"{self.model_name}: drained; logging to stderr until the process ends")
+        self.logger.direct = self.drained = True
+
     def _on_engine_stopped(self, reason: str) -> None:
         """The engine failed (every request already got its error): once those errors are sent,
         unload the model as vLLM's backend does for an unhealthy engine."""
@@ -265,12 +287,19 @@ class TritonPythonModel:
 
     def finalize(self) -> None:
         """Stop the engine (it answers what is left and takes a last snapshot), then the senders."""
+        if self.drain_watch is not None:
+            self.drain_watch.stop()
         self.engine.stop()
-        self.responses.stop()
+        # After a drain a send (a request that came since) may block: the thread is a daemon.
+        self.responses.stop(timeout_s=FINALIZE_SENDS_S if self.drained else None)
+        self._close_metrics()
+        gc.collect()
+
+    def _close_metrics(self) -> None:
         for metrics in (self.metrics, self.vllm_metrics):
             if metrics is not None:
                 metrics.close()
-        gc.collect()
+        self.metrics = self.vllm_metrics = None
 
     def _load(
         self, config: BackendConfig, instance_name: str

@@ -9,7 +9,7 @@ work unchanged; lookahead settings ride along inside `sampling_parameters`.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -113,11 +113,13 @@ def parse_request(
     limits: RequestLimits,
     tokenize: Callable[[str], list[int]],
     check: Callable[[int, SamplingParams, LookaheadConfig], None] | None = None,
+    detokenize: Callable[[Sequence[int]], str] | None = None,
 ) -> GenerationRequest:
     """Validate every input; raise RequestError with a message naming the offending one.
 
     check: the decoder's own check of a request (vocabulary, stop_words, context, KV bound), raising
-    ValueError.
+    ValueError. detokenize: the text of the tokens truncate_prompt_tokens keeps, which is all an
+    echo of the prompt holds (None: the whole prompt is echoed).
     """
     prompt = _text_input(inputs)
     flags = {name: _flag(inputs, name) for name in _FLAGS}
@@ -140,7 +142,7 @@ def parse_request(
         if size > limits.max_prompt_bytes:
             raise RequestError(
                 f"text_input has {size} bytes: more than max_prompt_tokens ({limits.max_prompt_tokens}) "
-                "tokens can hold on this model"
+                f"tokens can hold on this model (at most {limits.max_prompt_bytes} bytes)"
             )
     prompt_ids = tuple(tokenize(prompt))
     if limits.vocab_size is not None and prompt_ids and max(prompt_ids) >= limits.vocab_size:
@@ -148,8 +150,10 @@ def parse_request(
             f"text_input tokenizes to id {max(prompt_ids)}, "
             f"outside the model's vocabulary ({limits.vocab_size})"
         )
-    if truncate is not None:
+    if truncate is not None and len(prompt_ids) > truncate:
         prompt_ids = prompt_ids[-truncate:]
+        if detokenize is not None:
+            prompt = detokenize(prompt_ids)
     if not prompt_ids:
         raise RequestError("text_input is empty: the prompt must hold at least one token")
     limit = limits.max_prompt_tokens

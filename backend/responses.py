@@ -123,10 +123,10 @@ class ResponseLoop:
         """Run `work` on this thread once every response queued so far has been sent."""
         self.queue.put(work)
 
-    def stop(self) -> None:
-        """Send everything queued so far, then end the thread."""
+    def stop(self, timeout_s: float | None = None) -> None:
+        """Send everything queued so far, then end the thread (waiting at most timeout_s)."""
         self.queue.put(None)
-        self.thread.join()
+        self.thread.join(timeout_s)
 
     def _run(self) -> None:
         while True:

@@ -32,7 +32,7 @@ from ..algorithm.verify import verify
 from ..config import DecoderConfig, LookaheadConfig, SamplingParams, StructuredOutputs, TrieConfig
 from ..structured import GrammarCompiler, GrammarMatcher
 from .generation import Generation, GenerationStats, Shared, StepOutput
-from .kv_pool import KVLayout, KVPool, PoolStep, accepted_moves, pow2
+from .kv_pool import INITIAL_LENGTH, KVLayout, KVPool, PoolStep, accepted_moves, footprint, pow2
 from .output_layer import plain_output_layer
 from .prefix_cache import PrefixCache
 from .step_inputs import AttentionMasks, Segment, decode_inputs, ragged_inputs, to_device
@@ -115,7 +115,7 @@ class LookaheadDecoder:
             tokenizer, self.eos_token_ids, self.vocab_size, grammar_compile_timeout_s
         )
         self._kv_bytes_per_token: int | None = None
-        self.pool = KVPool()
+        self.pool = KVPool(limit_bytes=kv_cache_bytes)
         self.prefix_cache = PrefixCache(prefix_cache_tokens)
         self.cost = CostModel.for_device(self.device.type, dict(cost_prior) if cost_prior else None)
         # With a plain output layer, forwards run the decoder and the layer apart (fewer wrappers,
@@ -218,10 +218,12 @@ class LookaheadDecoder:
         return prompt_length + params.max_tokens + lookahead.decoding_length
 
     def kv_bytes(self, longest: Sequence[int]) -> int:
-        """Bytes of the KV pool holding requests that hold at most these many entries each."""
+        """Peak bytes of the KV pool holding requests that hold at most these many entries each,
+        its growth's transient copy included (the pool refuses to go past kv_cache_bytes by the same
+        count)."""
         if not longest:
             return 0
-        return len(longest) * pow2(max(longest)) * self.kv_bytes_per_token
+        return footprint(self.kv_layout, len(longest), max(INITIAL_LENGTH, pow2(max(longest))))
 
     def fits(self, longest: Sequence[int]) -> bool:
         """Whether requests holding at most these many entries each fit within kv_cache_bytes."""
@@ -285,6 +287,9 @@ class LookaheadDecoder:
         """
         if any(gen.finished for gen in generations):
             raise RuntimeError("step() called on a finished or closed generation")
+        # The running requests in the first slots, so that a growth allocates only theirs
+        # (kv_cache_bytes counts running requests); before any slot number is planned.
+        self.pool.pack(self._held_entries())
         outputs: dict[int, StepOutput] = {}
         for gen in generations:
             if gen.fed is None:
@@ -302,8 +307,10 @@ class LookaheadDecoder:
         has (none when its prompt is scored: every prompt position's logits are needed)."""
         if self.pool.layout is None:
             self.pool.layout = self.kv_layout
-        cached, keys, values = (0, [], []) if gen.scoring_prompt else self.prefix_cache.lookup(gen.ids)
-        self.pool.admit(gen, keys, values)
+        # A request that teaches nothing leaves no trace in the prefix cache, not even an LRU refresh.
+        touch = gen.config.learn
+        cached, keys, values = (0, [], []) if gen.scoring_prompt else self.prefix_cache.lookup(gen.ids, touch)
+        self.pool.admit(gen, keys, values, used=self._held_entries())
         gen.fed = cached
         gen.stats.cached_prompt_tokens = cached
         gen.started = time.perf_counter()
@@ -414,22 +421,26 @@ class LookaheadDecoder:
         return outputs
 
     def _prompt_read(self, gen: Generation, segment: Segment) -> None:
-        """The prompt's last chunk was fed: keep its KV for later prompts sharing a prefix."""
+        """The prompt's last chunk was fed: keep its KV for later prompts sharing a prefix (unless
+        the request has `learn` off)."""
         gen.stats.prefill_seconds = time.perf_counter() - (gen.started or time.perf_counter())
         length = gen.prompt_len  # the root's entry is the prompt's last one
-        if gen.scoring_prompt or not self.prefix_cache.capacity or length > self.prefix_cache.capacity:
+        if gen.scoring_prompt or not gen.config.learn:
+            return
+        if not self.prefix_cache.capacity or length > self.prefix_cache.capacity:
             return
         if self.prefix_cache.holds(gen.ids[:length]):
             return
         self.prefix_cache.store(gen.ids[:length], *self.pool.prefix(segment.slot, length))
 
     def _fit_pool(self) -> None:
-        """Give memory back: all of it when no request runs, the excess when over kv_cache_bytes."""
+        """Give memory back when no request runs."""
         if self.pool.idle:
             self.pool.free()
-        elif self.kv_cache_bytes and self.pool.nbytes > self.kv_cache_bytes:
-            held = [len(gen.ids) for gen in self.pool.owners if gen is not None]
-            self.pool.shrink(max(held) + self.step_token_budget)
+
+    def _held_entries(self) -> int:
+        """The most KV entries any running request holds between steps."""
+        return max((len(gen.ids) for gen in self.pool.owners if gen is not None), default=0)
 
     def forward_segments(self, works: list[_Work]) -> list[torch.Tensor | None]:
         """Logits of each segment's draft rows [len(draft), vocab] (None for a chunk without one);

@@ -6,6 +6,10 @@ per-step copying of anyone's cache. Two layouts (see PoolStep): a ragged row, ea
 tokens one segment of it, and a batched block of k one-token rows (plain decoding of k
 requests), whose requests must sit in slots 0..k-1 (`arrange`). Slots grow by doubling and are
 compacted in place after verification: the accepted draft entries move right behind the prefix.
+
+With a byte limit every allocation is checked before it is made, counting the buffers of its new
+shape and the one old layer buffer a resize keeps alive beside them (`footprint`): the decoder
+admits requests by the same count, so the pool never holds more than the limit.
 """
 
 from __future__ import annotations
@@ -16,7 +20,11 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-_INITIAL_LENGTH = 256
+INITIAL_LENGTH = 256
+
+
+class KVCacheFull(RuntimeError):
+    """An allocation would take the pool past its byte limit (nothing was allocated)."""
 
 
 @dataclass(frozen=True)
@@ -121,9 +129,19 @@ class KVLayout:
     device: torch.device
 
 
+def footprint(layout: KVLayout, slots: int, capacity: int) -> int:
+    """Peak bytes of pool buffers of this shape: all of them, and one more layer buffer (a resize
+    copies layer by layer, so at most one old buffer lives beside the new ones, whichever is the
+    larger shape; an arrange swap or a pack copies less)."""
+    size = torch.tensor([], dtype=layout.dtype).element_size()
+    per_layer = [heads * dim * size for heads, dim in zip(layout.heads, layout.head_dims)]
+    return slots * capacity * (2 * sum(per_layer) + max(per_layer))
+
+
 class KVPool:
-    def __init__(self, layout: KVLayout | None = None) -> None:
+    def __init__(self, layout: KVLayout | None = None, limit_bytes: int = 0) -> None:
         self.layout = layout  # set by the decoder before the first admit
+        self.limit_bytes = limit_bytes  # 0: none
         self.keys: list[torch.Tensor] = []  # per layer [slots, kv_heads, capacity, head_dim]
         self.values: list[torch.Tensor] = []
         self.owners: list[object | None] = []
@@ -146,39 +164,36 @@ class KVPool:
         """Drop the buffers (the next admit allocates them again, as small as it needs)."""
         self.keys, self.values, self.owners = [], [], []
 
-    def shrink(self, capacity: int) -> None:
-        """Drop the free slots after the last one held and shorten every slot to `capacity` entries
-        (at least what any holder has written: the caller knows the lengths)."""
-        slots = max((i for i, owner in enumerate(self.owners) if owner is not None), default=-1) + 1
-        capacity = pow2(capacity)
-        if slots == len(self.owners) and capacity >= self.capacity:
-            return
-        capacity = min(capacity, self.capacity)
-        for buffers in (self.keys, self.values):
-            for i, old in enumerate(buffers):
-                buffers[i] = old[:slots, :, :capacity].clone()
-        del self.owners[slots:]
-
     def slot_of(self, owner: object) -> int:
         return self.owners.index(owner)
 
     def admit(
-        self, owner: object, keys: Sequence[torch.Tensor] = (), values: Sequence[torch.Tensor] = ()
+        self,
+        owner: object,
+        keys: Sequence[torch.Tensor] = (),
+        values: Sequence[torch.Tensor] = (),
+        used: int = 0,
     ) -> int:
         """Give `owner` a free slot, holding the entries of a cached prefix (per layer
-        [1, kv_heads, n, head_dim], or none); return the slot."""
+        [1, kv_heads, n, head_dim], or none); return the slot. `used`: the most entries any holder
+        holds, all a new slot's resize keeps (the capacity a finished request left is given back).
+        KVCacheFull, with nothing changed, when that goes past the limit."""
         length = keys[0].shape[2] if keys else 0
         if not self.keys:
-            self._allocate(slots=1, capacity=max(_INITIAL_LENGTH, pow2(length)))
+            self._allocate(slots=1, capacity=max(INITIAL_LENGTH, pow2(length)))
         slot = next((i for i, o in enumerate(self.owners) if o is None), None)
         if slot is None:
             slot = len(self.owners)
-            self._resize(slots=slot + 1, capacity=self.capacity)
-        self.reserve(length)
+            self._resize(slots=slot + 1, capacity=max(INITIAL_LENGTH, pow2(max(used, length))))
+        self.owners[slot] = owner  # held before reserve(), which keeps only held slots
+        try:
+            self.reserve(length)
+        except KVCacheFull:
+            self.owners[slot] = None
+            raise
         for layer, (source_keys, source_values) in enumerate(zip(keys, values)):
             self.keys[layer][slot, :, :length] = source_keys[0]
             self.values[layer][slot, :, :length] = source_values[0]
-        self.owners[slot] = owner
         return slot
 
     def release(self, owner: object) -> None:
@@ -213,9 +228,28 @@ class KVPool:
         return self.owners[:k]
 
     def reserve(self, length: int) -> None:
-        """Make every slot able to hold `length` entries."""
+        """Make every held slot able to hold `length` entries (the free slots after the last held one
+        are dropped). KVCacheFull, with nothing changed, when that goes past the limit."""
         if length > self.capacity:
-            self._resize(slots=len(self.owners), capacity=pow2(length))
+            self._resize(slots=self._held_slots(), capacity=pow2(length))
+
+    def pack(self, used: int) -> None:
+        """Move the holders of the last slots into the free slots before them, so that the next
+        growth allocates only held slots. Between steps only (slot numbers change); `used`: the
+        most entries any holder holds."""
+        while True:
+            last = self._held_slots() - 1
+            hole = next((i for i in range(last) if self.owners[i] is None), None)
+            if hole is None:
+                return
+            for buffers in (self.keys, self.values):
+                for layer in buffers:
+                    layer[hole, :, :used] = layer[last, :, :used]
+            self.owners[hole], self.owners[last] = self.owners[last], None
+
+    def _held_slots(self) -> int:
+        """Slots up to the last held one."""
+        return max((i for i, owner in enumerate(self.owners) if owner is not None), default=-1) + 1
 
     def step_cache(self, step: PoolStep, past_length: int) -> StepCache:
         """A cache for one forward that writes and reads as `step` says."""
@@ -231,10 +265,19 @@ class KVPool:
             for layer in buffers:
                 layer[slot, :, target] = layer[slot, :, source]
 
-    def _allocate(self, slots: int, capacity: int) -> None:
-        layout = self.layout
-        if layout is None:
+    def _check(self, slots: int, capacity: int) -> None:
+        if self.layout is None:
             raise RuntimeError("the pool's layout must be set before the first admit")
+        needed = footprint(self.layout, slots, capacity)
+        if self.limit_bytes and needed > self.limit_bytes:
+            raise KVCacheFull(
+                f"{slots} KV slots of {capacity} entries need {needed} bytes, more than the "
+                f"{self.limit_bytes} of kv_cache_bytes"
+            )
+
+    def _allocate(self, slots: int, capacity: int) -> None:
+        self._check(slots, capacity)
+        layout = self.layout
         for heads, dim in zip(layout.heads, layout.head_dims):
             for buffers in (self.keys, self.values):
                 buffers.append(
@@ -243,13 +286,15 @@ class KVPool:
         self.owners = [None] * slots
 
     def _resize(self, slots: int, capacity: int) -> None:
-        old_slots, old_capacity = len(self.owners), self.capacity
+        """New buffers of this shape holding what fits of the old ones (callers drop free slots only)."""
+        self._check(slots, capacity)
+        kept_slots, kept = min(slots, len(self.owners)), min(capacity, self.capacity)
         for buffers in (self.keys, self.values):
             for i, old in enumerate(buffers):
                 new = old.new_zeros(slots, old.shape[1], capacity, old.shape[3])
-                new[:old_slots, :, :old_capacity] = old
+                new[:kept_slots, :, :kept] = old[:kept_slots, :, :kept]
                 buffers[i] = new
-        self.owners += [None] * (slots - old_slots)
+        self.owners = self.owners[:slots] + [None] * (slots - len(self.owners))
 
 
 def accepted_moves(slot: int, root: int, accepted_nodes: Sequence[int]) -> list[tuple[int, int, int]]:

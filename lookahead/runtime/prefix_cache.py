@@ -8,6 +8,9 @@ bound on the KV positions held; a lookup takes the longest common prefix with an
 Logits over a cached prefix equal those over a recomputed one up to the attention kernel's
 summation order, which depends on how many rows it is fed (~1e-7 relative, as between a plain
 prefill and the decoder's own steps; tests/test_prefix_cache.py).
+
+A request with `learn` off leaves no trace here (the decoder stores no prompt of it, and its
+lookups do not refresh an entry's place): what it reads is what any client can read.
 """
 
 from __future__ import annotations
@@ -40,10 +43,12 @@ class PrefixCache:
         """KV positions held (the prompts' and whatever else their tensors hold)."""
         return self._held
 
-    def lookup(self, prompt: list[int]) -> tuple[int, list[torch.Tensor], list[torch.Tensor]]:
+    def lookup(
+        self, prompt: list[int], touch: bool = True
+    ) -> tuple[int, list[torch.Tensor], list[torch.Tensor]]:
         """(n, keys, values) of prompt[:n] for the longest n found (per layer [1, kv_heads, n,
         head_dim]), at most len(prompt) - 1 (the last prompt token is always fed, for its
-        logits); n = 0 and no tensors on a miss."""
+        logits); n = 0 and no tensors on a miss. touch: the entry found becomes the most recent."""
         if not self._entries or len(prompt) < 2:
             return 0, [], []
         query = torch.tensor(prompt[:-1])
@@ -56,7 +61,8 @@ class PrefixCache:
                 best, found = key, common
         if best is None:
             return 0, [], []
-        self._entries.move_to_end(best)
+        if touch:
+            self._entries.move_to_end(best)
         entry = self._entries[best]
         return (
             found,

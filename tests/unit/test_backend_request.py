@@ -781,9 +781,23 @@ def test_an_oversize_prompt_is_refused_before_it_is_tokenized():
         return tokenize(text)
 
     limits = RequestLimits(LIMITS.lookahead, max_prompt_tokens=20, max_output_tokens=64, max_prompt_bytes=80)
-    with pytest.raises(RequestError, match="text_input has 1000000 bytes"):
+    with pytest.raises(RequestError, match=r"text_input has 1000000 bytes: .* \(at most 80 bytes\)"):
         parse_request(DictInputs({"text_input": strings("x" * 1_000_000)}), limits, counting)
     assert calls == []
+
+
+def test_a_truncated_prompt_is_echoed_as_the_text_of_the_tokens_kept():
+    def detokenize(ids) -> str:
+        return "".join(chr(i) for i in ids)
+
+    def parsed(prompt: str) -> GenerationRequest:
+        inputs = DictInputs({"text_input": strings(prompt)}, {"truncate_prompt_tokens": 5})
+        return parse_request(inputs, LIMITS, tokenize, detokenize=detokenize)
+
+    request = parsed("a long prompt whose head is cut")
+    assert request.prompt_ids == tuple(tokenize("s cut")) and request.prompt == "s cut"
+    assert request.prepend_input  # not streaming: the echo is what the model read
+    assert parsed("short").prompt == "short"
 
 
 def test_prompt_and_max_tokens_must_fit_the_models_context():
@@ -974,6 +988,53 @@ def test_unload_ends_running_and_later_requests_with_unavailable_before_they_fin
             (FailureCode.UNAVAILABLE, SHUTDOWN_MESSAGE)
         ]
     assert decoder.order.count("a") < 8 and "b" not in decoder.order
+
+
+def test_unload_with_a_message_answers_running_requests_and_saves_the_trie_before_it_reports(tmp_path):
+    """The launcher's drain: the event means every final is queued and the snapshot is on disk."""
+    trie = NGramTrie(capacity=100, max_depth=4)
+    path = tmp_path / "lookahead_0_0.trie"
+    decoder, recorder = ScriptedDecoder({"a": steps(*"abcdefgh")}), Recorder()
+    engine = Engine(decoder, recorder.emit, recorder, keeper=TrieKeeper(trie, path, "fp", 0.0, recorder))
+    running = submit(engine, "a", stream=True, prepend_input=False)
+    decoder.gate.clear()
+    engine.start()
+    time.sleep(0.05)
+    trie.insert([1, 2, 3])  # what the stream taught the trie so far
+    unloaded = engine.unload("the server is shutting down")
+    decoder.gate.set()
+    assert unloaded.wait(5)
+    assert [(u.failure, u.message) for u in recorder.of(running) if u.final] == [
+        (FailureCode.UNAVAILABLE, "the server is shutting down")
+    ]
+    assert load_trie(path, capacity=100, max_depth=4, fingerprint="fp").node_count == trie.node_count == 6
+    assert engine.running
+    engine.stop(timeout_s=5)
+    assert not engine.thread.is_alive()
+
+
+def test_unload_wakes_an_idle_engine(tmp_path):
+    path = tmp_path / "t.trie"
+    recorder = Recorder()
+    keeper = TrieKeeper(NGramTrie(capacity=100, max_depth=4), path, "fp", 0.0, recorder)
+    engine = Engine(ScriptedDecoder({}), recorder.emit, recorder, keeper=keeper)
+    engine.start()
+    assert engine.unload().wait(5) and path.is_file()
+    engine.stop(timeout_s=5)
+    assert not engine.thread.is_alive()
+
+
+def test_a_stop_queued_while_unloading_is_not_lost():
+    engine, decoder, recorder = run_engine({"a": steps(*"abcdefgh")})
+    submit(engine, "a", stream=True, prepend_input=False)
+    decoder.gate.clear()
+    engine.start()
+    time.sleep(0.05)
+    engine.unload()
+    engine.inbox.put(None)  # stop() arriving between the unload and the engine's next look
+    decoder.gate.set()
+    engine.thread.join(5)
+    assert not engine.thread.is_alive()
 
 
 def test_json_nested_too_deeply_is_an_invalid_argument():

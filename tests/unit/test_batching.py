@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import random
+import sys
 import threading
 
 import pytest
 import torch
 
 from lookahead import Draft, LookaheadConfig, LookaheadDecoder, NGramTrie, SamplingParams
+from lookahead.runtime import kv_pool
+from lookahead.runtime.kv_pool import KVCacheFull, KVPool
 from tests.helpers import LINEAR_KERNELS, plain_greedy, repetitive_prompt
 
 
@@ -307,24 +310,96 @@ def test_the_pool_is_freed_when_idle_and_requests_beyond_kv_cache_bytes_are_refu
     while not gen.finished:
         gen.step()
     assert decoder.pool.keys == [] and decoder.pool.nbytes == 0  # nothing runs: the memory went back
-    bounded = LookaheadDecoder(model, byte_tokenizer, kv_cache_bytes=64 * per_token)
+    # A slot of 256 entries (the least the pool allocates), and the one layer buffer a growth copies.
+    slot = 256 * (per_token + 2 * 16 * 4)
+    bounded = LookaheadDecoder(model, byte_tokenizer, kv_cache_bytes=slot)
     with pytest.raises(ValueError, match="need .* bytes of KV cache, more than kv_cache_bytes"):
-        bounded.start([1, 2, 3], SamplingParams(max_tokens=4))  # 3 + 4 + 64 (one draft) entries
-    assert bounded.fits([40]) and not bounded.fits([40, 40])  # one 64-entry slot fits, two do not
+        bounded.start([1, 2, 3], SamplingParams(max_tokens=200))  # 3 + 200 + 64 (one draft) entries
+    bounded.start([1, 2, 3], SamplingParams(max_tokens=100))
+    assert (
+        bounded.fits([40]) and bounded.fits([256]) and not bounded.fits([257]) and not bounded.fits([40, 40])
+    )
 
 
-def test_the_pool_shrinks_back_under_kv_cache_bytes_once_long_requests_leave(tiny_model, byte_tokenizer):
+def live_pool_bytes(monkeypatch: pytest.MonkeyPatch, pool: KVPool) -> list[int]:
+    """[the most bytes of pool buffers alive at once]: measured at each buffer the pool allocates,
+    the new one and the ones the pool still holds (a resize's old layers included)."""
+    peak = [0]
+    zeros, new_zeros = torch.zeros, torch.Tensor.new_zeros
+
+    def counted(tensor: torch.Tensor) -> torch.Tensor:
+        if sys._getframe(2).f_globals["__name__"] == kv_pool.__name__:
+            peak[0] = max(peak[0], pool.nbytes + tensor.nbytes)
+        return tensor
+
+    monkeypatch.setattr(torch, "zeros", lambda *a, **k: counted(zeros(*a, **k)))
+    monkeypatch.setattr(torch.Tensor, "new_zeros", lambda self, *a, **k: counted(new_zeros(self, *a, **k)))
+    return peak
+
+
+def test_requests_admitted_by_fits_never_take_the_pool_past_kv_cache_bytes(
+    tiny_model, byte_tokenizer, monkeypatch
+):
+    """The engine's admission (decoder.fits), requests of every length joining and leaving: the
+    live pool buffers, a growth's old and new ones together, stay within the bound, and every
+    output is still plain greedy decoding's (slots move when others leave)."""
+    model = tiny_model("llama")
+    config = LookaheadConfig(decoding_length=8, branch_length=5, adaptive=False)
+    per_token = LookaheadDecoder(model, byte_tokenizer).kv_bytes_per_token
+    bound = 1200 * per_token
+    decoder = LookaheadDecoder(model, byte_tokenizer, NGramTrie(10_000, 9), config, kv_cache_bytes=bound)
+    assert decoder.eos_token_ids == ()
+    peak = live_pool_bytes(monkeypatch, decoder.pool)
+    rng = random.Random(7)
+    requests = []
+    for _ in range(12):
+        prompt = repetitive_prompt(rng, model.config.vocab_size) * rng.choice([1, 3, 12])
+        requests.append((prompt[:300], SamplingParams(max_tokens=rng.randrange(4, 120))))
+    waiting, running, outputs, most = list(range(len(requests))), {}, {}, 0
+    while waiting or running:
+        while waiting:
+            prompt, params = requests[waiting[0]]
+            longest = [
+                decoder.longest(len(p), s, config) for p, s in (requests[i] for i in [*running, waiting[0]])
+            ]
+            if running and not decoder.fits(longest):
+                break
+            i = waiting.pop(0)
+            running[i], outputs[i] = decoder.start(prompt, params), []
+        most = max(most, len(running))
+        order = list(running)
+        for i, out in zip(order, decoder.step([running[i] for i in order])):
+            assert out.error is None, out.error
+            outputs[i] += out.token_ids
+            if out.finish_reason:
+                del running[i]
+    assert most >= 3  # requests did run together
+    assert 0 < peak[0] <= bound
+    for i, (prompt, params) in enumerate(requests):  # transformers stops at the tiny model's eos (2)
+        expected = plain_greedy(model, prompt, params.max_tokens)
+        assert outputs[i][: len(expected)] == expected, f"request {i}"
+
+
+def test_a_request_past_kv_cache_bytes_fails_alone_before_anything_is_allocated(
+    tiny_model, byte_tokenizer, monkeypatch
+):
+    """A caller that ignores fits(): the newcomer's slot is refused (KVCacheFull, its own error)
+    with the pool unchanged, and the running request goes on."""
     model = tiny_model("llama")
     config = LookaheadConfig(use_lookahead=False)
     per_token = LookaheadDecoder(model, byte_tokenizer).kv_bytes_per_token
-    decoder = LookaheadDecoder(model, byte_tokenizer, config=config, kv_cache_bytes=600 * per_token)
-    long = decoder.start([1 + i % 250 for i in range(300)], SamplingParams(max_tokens=40), config)
-    short = decoder.start([1, 2, 3], SamplingParams(max_tokens=60), config)
-    capacities = []
-    while not long.finished:
-        decoder.step([long, short])
-        capacities.append(decoder.pool.capacity)
-    assert not short.finished
-    assert capacities[0] == 512  # what the long request's prompt needed
-    assert decoder.pool.nbytes <= 600 * per_token
-    assert decoder.pool.capacity == 256  # back to what the short request needs
+    bound = 400 * per_token  # one slot of 256 entries; not two
+    decoder = LookaheadDecoder(model, byte_tokenizer, config=config, kv_cache_bytes=bound)
+    peak = live_pool_bytes(monkeypatch, decoder.pool)
+    short = decoder.start([1, 2, 3], SamplingParams(max_tokens=20), config)
+    ids = decoder.step([short])[0].token_ids
+    held = decoder.pool.nbytes
+    other = decoder.start([4, 5, 6], SamplingParams(max_tokens=20), config)
+    first, refused = decoder.step([short, other])
+    assert isinstance(refused.error, KVCacheFull) and refused.finish_reason == "error"
+    assert "more than the 204800 of kv_cache_bytes" in str(refused.error)
+    assert first.error is None and decoder.pool.nbytes == held and peak[0] <= bound
+    ids += first.token_ids
+    while not short.finished:
+        ids += decoder.step([short])[0].token_ids
+    assert ids == plain_greedy(model, [1, 2, 3], 20)

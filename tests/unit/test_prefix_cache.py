@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from lookahead import LookaheadDecoder, NGramTrie, SamplingParams
+from lookahead import LookaheadConfig, LookaheadDecoder, NGramTrie, SamplingParams
 from lookahead.models.chat import apply_chat_template
 from lookahead.runtime.prefix_cache import PrefixCache
 from tests.helpers import LINEAR_KERNELS, TINY_ARCHITECTURES, plain_greedy
@@ -120,6 +120,29 @@ def test_the_decoder_prefills_only_what_is_not_cached_and_stays_lossless(
         assert cached == [0, len(system) + len(b"How far is the "), len(system)]
     else:
         assert cached == [0, 0, 0] and decoder.prefix_cache.tokens == 0
+
+
+def test_a_request_with_learn_off_leaves_no_trace_in_the_prefix_cache(tiny_model, byte_tokenizer) -> None:
+    """Its prompt is not stored (a later request cannot find it by timing) and its lookups do not
+    refresh an entry; it may read what any client can read, and stays lossless."""
+    model = tiny_model("qwen2")
+    decoder = LookaheadDecoder(model, byte_tokenizer, NGramTrie(capacity=10_000, max_depth=9))
+    private = LookaheadConfig(learn=False)
+    system = list(b"You are a helpful assistant. ")
+    secret = system + list(b"My password is hunter2.")
+    ids, stats = decoder.generate(secret, SamplingParams(max_tokens=8), private)
+    assert ids == plain_greedy(model, secret, 8) and stats.cached_prompt_tokens == 0
+    assert decoder.prefix_cache.tokens == 0
+    probe = system + list(b"My password is hunter3.")
+    assert decoder.generate(probe, SamplingParams(max_tokens=8))[1].cached_prompt_tokens == 0
+
+    shared, other = list(b"Shared question one?"), list(b"Another shared one?")
+    for prompt in (shared, other):
+        decoder.generate(prompt, SamplingParams(max_tokens=4))
+    held = list(decoder.prefix_cache._entries)
+    read = decoder.generate(shared + list(b" more"), SamplingParams(max_tokens=8), private)[1]
+    assert read.cached_prompt_tokens == len(shared)  # reads the shared entries like anyone
+    assert list(decoder.prefix_cache._entries) == held  # neither stored nor moved
 
 
 def test_the_bound_counts_every_position_an_entry_holds(tiny_model) -> None:

@@ -1,0 +1,143 @@
+"""Draining the model instances before tritonserver is signalled, through a folder of files.
+
+Once tritonserver has received SIGTERM, the Python backend stubs' `send`, `is_model_ready` and
+logging calls block (Triton 2.51), so a request still running then never gets its final response
+and its model never finalizes. The launcher therefore drains first: it passes a folder in
+$LOOKAHEAD_DRAIN_DIR, every instance registers there (`<pid>.serving`) and polls for the `drain`
+file; on it the instance ends its requests with a final response, saves its snapshot and
+acknowledges (`<pid>.drained`). Only then is the signal forwarded, and tritonserver unloads idle
+models. Files need no signal handler in the stub, whose main thread is in C++. Without the
+variable (tritonserver started directly) no watch runs.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+DRAIN_ENV = "LOOKAHEAD_DRAIN_DIR"
+REQUEST_FILE = "drain"
+POLL_S = 0.2
+
+
+class DrainableLog:
+    """The instance's logger: through the server (pb_utils.Logger) until the instance has drained,
+    then straight to the stub's stderr (the server's log), since a signalled server stops relaying
+    log calls and the call would block finalize."""
+
+    def __init__(self, server_log: object):
+        self.server_log = server_log
+        self.direct = False
+
+    def log_info(self, message: str) -> None:
+        self._log("log_info", "I", message)
+
+    def log_warn(self, message: str) -> None:
+        self._log("log_warn", "W", message)
+
+    def log_error(self, message: str) -> None:
+        self._log("log_error", "E", message)
+
+    def _log(self, method: str, level: str, message: str) -> None:
+        if self.direct:
+            print(f"{level} [pid {os.getpid()}] {message}", file=sys.stderr, flush=True)
+        else:
+            getattr(self.server_log, method)(message)
+
+
+def _pid_file(folder: Path, pid: int, state: str) -> Path:
+    return folder / f"{pid}.{state}"
+
+
+def _alive(pid: int) -> bool:
+    """Whether pid runs (a zombie, dead but not yet reaped, does not)."""
+    try:
+        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+class DrainWatch:
+    """The instance's side: registered while it serves; calls on_drain() once when asked."""
+
+    def __init__(self, folder: Path, on_drain: Callable[[], None], poll_s: float = POLL_S):
+        self.folder, self.on_drain, self.poll_s = folder, on_drain, poll_s
+        self.pid = os.getpid()
+        self.stopped = threading.Event()
+        _pid_file(folder, self.pid, "serving").touch()
+        self.thread = threading.Thread(target=self._run, name="lookahead-drain-watch", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.stopped.wait(self.poll_s):
+            if (self.folder / REQUEST_FILE).exists():
+                try:
+                    self.on_drain()
+                finally:
+                    _pid_file(self.folder, self.pid, "drained").touch()
+                return
+
+    def stop(self) -> None:
+        """The instance is finalizing: stop watching and unregister."""
+        self.stopped.set()
+        _pid_file(self.folder, self.pid, "serving").unlink(missing_ok=True)
+
+
+def watch_drain(
+    on_drain: Callable[[], None], env: Mapping[str, str] = os.environ, poll_s: float = POLL_S
+) -> DrainWatch | None:
+    """Watch the launcher's drain folder; None when there is none or it is gone."""
+    folder = env.get(DRAIN_ENV)
+    if not folder or not Path(folder).is_dir():
+        return None
+    return DrainWatch(Path(folder), on_drain, poll_s)
+
+
+class Drain:
+    """The launcher's side: a private folder, its environment variable, the request and the wait."""
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+
+    @classmethod
+    def create(cls) -> Drain:
+        return cls(Path(tempfile.mkdtemp(prefix="lookahead-drain-")))
+
+    @property
+    def env(self) -> dict[str, str]:
+        return {DRAIN_ENV: str(self.folder)}
+
+    def _running(self, *states: str) -> set[int]:
+        """The live pids with a file in one of these states."""
+        pids = {int(p.stem) for state in states for p in self.folder.glob(f"*.{state}") if p.stem.isdigit()}
+        return {pid for pid in pids if _alive(pid)}
+
+    def pending(self) -> set[int]:
+        """Serving instances that have not acknowledged the drain."""
+        drained = self._running("drained")
+        return self._running("serving") - drained
+
+    def run(self, timeout_s: float) -> set[int]:
+        """Ask every instance to drain and wait for them (at most timeout_s); the ones still pending."""
+        (self.folder / REQUEST_FILE).touch()
+        return self._wait(self.pending, timeout_s)
+
+    def wait_gone(self, timeout_s: float) -> set[int]:
+        """Wait until every instance that serves or drained has exited; the ones still running."""
+        return self._wait(lambda: self._running("serving", "drained"), timeout_s)
+
+    def remove(self) -> None:
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+    @staticmethod
+    def _wait(left: Callable[[], set[int]], timeout_s: float) -> set[int]:
+        deadline = time.monotonic() + timeout_s
+        while (pids := left()) and time.monotonic() < deadline:
+            time.sleep(POLL_S)
+        return pids

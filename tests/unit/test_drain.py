@@ -1,0 +1,91 @@
+"""The drain channel between the launcher and the model instances (backend/drain.py), and the
+launcher's stop: drain first, then the signal."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+from backend import launcher
+from backend.drain import DRAIN_ENV, Drain, watch_drain
+from backend.launcher import TritonServer
+
+# An instance's stand-in: drains (writes a marker) when asked, then lives until it gets SIGTERM.
+INSTANCE = """
+import signal, sys, time
+from pathlib import Path
+from backend.drain import watch_drain
+marker = Path(sys.argv[1])
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(0 if marker.exists() else 3))
+watch_drain(lambda: marker.write_text("drained"), poll_s=0.02)
+time.sleep(600)
+"""
+
+
+def test_without_the_variable_no_watch_runs(tmp_path):
+    assert watch_drain(lambda: None, env={}) is None
+    assert watch_drain(lambda: None, env={DRAIN_ENV: str(tmp_path / "gone")}) is None
+
+
+def test_an_instance_drains_once_and_acknowledges(tmp_path):
+    drain = Drain(tmp_path)
+    calls: list[int] = []
+    started = threading.Event()
+
+    def on_drain() -> None:
+        started.set()
+        time.sleep(0.3)  # the wait covers the instance's own work
+        calls.append(1)
+
+    watch = watch_drain(on_drain, env=drain.env, poll_s=0.02)
+    assert watch is not None and drain.pending() == {os.getpid()}
+    assert drain.run(timeout_s=5) == set()
+    assert calls == [1] and drain.pending() == set()
+    watch.thread.join(1)
+    assert not watch.thread.is_alive() and calls == [1]
+    watch.stop()
+    assert not (tmp_path / f"{os.getpid()}.serving").exists()
+
+
+def test_an_instance_that_never_acknowledges_is_reported_after_the_timeout(tmp_path):
+    drain = Drain(tmp_path)
+    watch = watch_drain(lambda: time.sleep(5), env=drain.env, poll_s=0.02)
+    begun = time.monotonic()
+    assert drain.run(timeout_s=0.3) == {os.getpid()}
+    assert time.monotonic() - begun < 2
+    watch.stop()
+
+
+def test_a_dead_instance_is_not_waited_for(tmp_path):
+    (tmp_path / "999999999.serving").touch()  # above any pid_max
+    assert Drain(tmp_path).run(timeout_s=5) == set()
+
+
+def test_stop_drains_the_instances_before_it_signals_the_server(tmp_path):
+    """A process that exits 0 on SIGTERM only if it had drained by then."""
+    drain = Drain.create()
+    marker = tmp_path / "drained"
+    process = subprocess.Popen(
+        [sys.executable, "-c", INSTANCE, str(marker)],
+        env={**os.environ, **drain.env, "PYTHONPATH": str(launcher.REPO_ROOT)},
+    )
+    assert wait_until(lambda: drain.pending() == {process.pid})
+    server = TritonServer(
+        process, http_port=0, grpc_port=0, metrics_port=0, log_file=tmp_path / "log", drain=drain
+    )
+    assert server.stop(timeout_s=30, signum=signal.SIGTERM) == 0
+    assert marker.read_text() == "drained"
+    assert not drain.folder.exists()  # removed once the server and its instances are gone
+
+
+def wait_until(condition, timeout_s: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
