@@ -93,6 +93,17 @@ class CostModel:
         """cost(q) / cost(1)."""
         return max(_interpolate(self._relative, q), 1.0)
 
+    def least_slope(self, q: int) -> float:
+        """The least relative cost of one more token anywhere past q tokens (the curve is linear
+        between its points, and in proportion to the tokens past the last one)."""
+        points = sorted(self._relative)
+        top = points[-1]
+        slopes = [self._relative[top] / top]
+        for lower, upper in zip(points, points[1:]):
+            if upper > q:
+                slopes.append((self._relative[upper] - self._relative[lower]) / (upper - lower))
+        return max(min(slopes), 0.0)
+
 
 # Classes of draft nodes whose estimated probabilities mislead alike: the evidence (a copy of the
 # request's own text, or n-gram counts), the branch (the draft's best one, or a side branch) and
@@ -169,6 +180,19 @@ def _classes(draft: Draft) -> list[tuple[int, float]]:
         conditional = probs[i] / parent_prob if parent_prob > 0 else 0.0
         classes.append((node_class(bool(draft.origins[i] & FROM_COPY), i > first, conditional), conditional))
     return classes
+
+
+def least_paying_weight(cost: CostModel, requests: int, tokens: int) -> float:
+    """The weight below which no draft node can pay for its place in a step of `requests` roots
+    among `tokens` fed, so retrieval need not look for it.
+
+    Without drafts the step yields requests / cost(tokens) tokens per unit of cost. A set of nodes
+    each weighing less than that rate times the least marginal cost of a token yields less per
+    unit than the step already does, whatever nodes it joins, so no plan is better for it.
+    """
+    if requests == 0:
+        return 0.0
+    return cost.least_slope(tokens) * requests / cost.relative(tokens)
 
 
 def plan_step(

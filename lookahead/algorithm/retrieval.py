@@ -156,6 +156,7 @@ def retrieve_draft(
     copy: Copy | None = None,
     stop_tokens: frozenset[int] = frozenset(),
     stop_words: frozenset[int] = frozenset(),
+    min_prob: float = 0.0,
 ) -> Draft:
     """The draft to verify after `context`: at most `decoding_length` nodes (root included), depth
     at most `branch_length`, tokens[0] == context[-1]; the bare root when nothing matches.
@@ -192,9 +193,9 @@ def retrieve_draft(
         previous_counts = counts
         start = _Node(root, -1, 1.0, local_node, shared_node, 0, 0 if copy is not None else -1)
         if mode == "one":
-            nodes = _best_chain(view, start, query_len, depth_limit, stop_tokens)
+            nodes = _best_chain(view, start, query_len, depth_limit, stop_tokens, min_prob)
         else:
-            nodes = _best_first(view, start, query_len, decoding_length, depth_limit, stop_tokens)
+            nodes = _best_first(view, start, query_len, decoding_length, depth_limit, stop_tokens, min_prob)
         value = sum(node.prob for node in nodes)
         if value > best_value:
             best, best_value = _layout(nodes, mode, decoding_length), value
@@ -208,8 +209,10 @@ def _best_first(
     budget: int,
     depth_limit: int,
     stop_tokens: frozenset[int],
+    min_prob: float,
 ) -> list[_Node]:
-    """The `budget` most probable nodes of the matched subtree (root included), in selection order."""
+    """The `budget` most probable nodes of the matched subtree (root included) of at least
+    `min_prob`, in selection order."""
     selected: list[_Node] = []
     # (-probability, push order, parent index, depth, continuation): a child becomes a node only
     # once it is selected, and most never are
@@ -231,14 +234,19 @@ def _best_first(
         ):
             conditional = option[0]
             child_prob = node.prob * conditional
-            if child_prob > 0.0:
+            if child_prob > 0.0 and child_prob >= min_prob:
                 heapq.heappush(frontier, (-child_prob, pushed, index, node.depth + 1, option))
                 pushed += 1
     return selected
 
 
 def _best_chain(
-    view: _MergedView, start: _Node, query_len: int, depth_limit: int, stop_tokens: frozenset[int]
+    view: _MergedView,
+    start: _Node,
+    query_len: int,
+    depth_limit: int,
+    stop_tokens: frozenset[int],
+    min_prob: float,
 ) -> list[_Node]:
     """`one` mode: follow the most probable child at each level."""
     chain = [start]
@@ -250,9 +258,9 @@ def _best_chain(
         if not options:
             break
         conditional, token, local_child, shared_child, copy_next = max(options, key=lambda option: option[0])
-        if conditional <= 0.0:
-            break
         prob = last.prob * conditional
+        if conditional <= 0.0 or prob < min_prob:
+            break
         chain.append(_Node(token, len(chain) - 1, prob, local_child, shared_child, last.depth + 1, copy_next))
     return chain
 

@@ -26,7 +26,7 @@ import torch
 from transformers import DynamicCache
 
 from ..algorithm.draft import Draft
-from ..algorithm.planner import Calibration, CostModel, plan_step
+from ..algorithm.planner import Calibration, CostModel, least_paying_weight, plan_step
 from ..algorithm.trie import NGramTrie
 from ..algorithm.verify import verify
 from ..config import DecoderConfig, LookaheadConfig, SamplingParams, StructuredOutputs, TrieConfig
@@ -342,12 +342,15 @@ class LookaheadDecoder:
         chunks = sum(gen.root - gen.fed for gen in rooted if not gen.prefilled)
         capped = self.max_speculative_batch and len(gens) > self.max_speculative_batch
         room = max(0, free if partial is None else int(free * DRAFT_SHARE_BESIDE_PROMPT))
+        # Retrieval skips nodes too unlikely to pay their way in this step (most of them, when
+        # many requests already share the forward).
+        least = least_paying_weight(self.cost, len(rooted), len(rooted) + chunks)
         drafts = []
         for gen in list(rooted):
             draft = Draft.root_only(gen.ids[-1])
             if not capped and room:
                 try:
-                    draft = gen.retrieve(room + 1)
+                    draft = gen.retrieve(room + 1, least if gen.config.adaptive else 0.0)
                 except Exception as error:  # this request fails; the others go on
                     failed[id(gen)] = _failure(gen, error)
                     rooted.remove(gen)

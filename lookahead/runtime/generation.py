@@ -194,9 +194,9 @@ class Generation:
     def _decode_one(self, token: int) -> str:
         return self.shared.tokenizer.decode([token])
 
-    def retrieve(self, max_width: int) -> Draft:
-        """The draft this request would like to verify next, at most max_width nodes (the batch plan
-        may trim it further)."""
+    def retrieve(self, max_width: int, min_prob: float = 0.0) -> Draft:
+        """The draft this request would like to verify next, at most max_width nodes, none less
+        probable than min_prob (the batch plan may trim it further)."""
         root = self.ids[-1]
         depth = min(self.config.branch_length, self.params.max_tokens - self.stats.output_tokens - 1)
         if not self.config.drafting or depth <= 0:
@@ -213,6 +213,7 @@ class Generation:
             copy=self.spans.continuation(depth),
             stop_tokens=self.stop_tokens,
             stop_words=self.stop_words,
+            min_prob=min_prob,
         )
         if self.selector.grammar is not None:  # nodes the grammar forbids would only be rejected
             draft = self.selector.grammar.prune(draft)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from lookahead.algorithm.draft import FROM_COPY, FROM_SHARED_TRIE, Draft
@@ -12,6 +14,7 @@ from lookahead.algorithm.planner import (
     STOCK_CPU_PRIOR,
     Calibration,
     CostModel,
+    least_paying_weight,
     node_class,
     plan_step,
 )
@@ -189,3 +192,18 @@ def test_the_cost_prior_follows_the_device_and_the_execution_path(tiny_model, by
         kernel, _, prior = apply_execution_path(model, "packed")
         assert (kernel, prior) == ("packed", PRIORS[variant.name])
         assert LookaheadDecoder(model, byte_tokenizer, cost_prior=prior).cost.prior == PRIORS[variant.name]
+
+
+def test_no_node_lighter_than_the_least_paying_weight_ever_joins_a_plan() -> None:
+    rng = random.Random(3)
+    cost = CostModel(PRIORS["avx512"])
+    for _ in range(200):
+        k = rng.randrange(1, 9)
+        least = least_paying_weight(cost, k, k)
+        heavy = [chain(sorted((rng.uniform(least, 1.0) for _ in range(rng.randrange(0, 6))), reverse=True))]
+        light = [chain([rng.uniform(0.0, least)] * rng.randrange(1, 8)) for _ in range(k - 1)]
+        drafts = (heavy + light)[:k]
+        plan = plan_step(drafts, [Calibration()] * k, [True] * k, cost, token_budget=128)
+        assert all(prob >= least for planned in plan for prob in planned.probs[1:])
+    # many requests in one step: only nearly certain nodes can pay; one request alone: almost any
+    assert least_paying_weight(cost, 8, 8) > 0.5 > 0.1 > least_paying_weight(cost, 1, 1)

@@ -216,3 +216,28 @@ def test_adversarial_streams_stay_bounded_and_keep_drafts_valid():
                 assert_valid(draft, context, 64, 12)
     repeated = retrieve_draft([7, 7, 7, 7], None, shared, decoding_length=64, branch_length=12)
     assert repeated.tokens == [7] * 13  # one chain: the only continuation of 7 is 7
+
+
+@pytest.mark.parametrize("mode", DECODING_MODES)
+def test_min_prob_drops_exactly_the_nodes_less_probable_than_it(mode):
+    rng = random.Random(7 + DECODING_MODES.index(mode))
+    for _ in range(60):
+        vocab = rng.choice([3, 8, 50])
+        local = trie_of(*[[rng.randrange(vocab) for _ in range(rng.randrange(1, 60))] for _ in range(3)])
+        context = [rng.randrange(vocab) for _ in range(rng.randrange(1, 4))]
+        kwargs = dict(decoding_length=rng.randrange(2, 40), branch_length=rng.randrange(1, 7), mode=mode)
+        full = retrieve_draft(context, local, None, max_query_length=1, **kwargs)
+        least = rng.choice([0.1, 0.3, 0.6])
+        pruned = retrieve_draft(context, local, None, max_query_length=1, min_prob=least, **kwargs)
+        assert all(prob >= least for prob in pruned.probs)
+        if mode != "par":  # every node of the full draft that is probable enough is still drafted
+            kept = {(path, prob) for path, prob in _paths(full) if prob >= least}
+            assert kept == set(_paths(pruned))
+
+
+def _paths(draft: Draft) -> list[tuple[tuple[int, ...], float]]:
+    """(token path from below the root, probability) of every node."""
+    paths: list[tuple[int, ...]] = [()]
+    for i in range(1, len(draft)):
+        paths.append((*paths[draft.parents[i]], draft.tokens[i]))
+    return list(zip(paths[1:], draft.probs[1:]))
