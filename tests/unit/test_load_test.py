@@ -14,9 +14,11 @@ from client.load_test import (
     LoadTestError,
     PromptSlices,
     format_table,
+    parse_args,
     perf_analyzer_command,
     plot,
     request_count,
+    request_prompts,
     summarize_experiment,
     summarize_profile,
     write_csv,
@@ -180,3 +182,22 @@ def test_perf_analyzer_input_refuses_empty_or_bad_requests(tmp_path) -> None:
     with pytest.raises(ValueError, match="max_tokens must be >= 1, got 0"):
         write_perf_analyzer_input(["x"], tmp_path / "in.json", 0)
     assert not (tmp_path / "in.json").exists()
+
+
+def test_a_chat_set_goes_out_in_the_served_model_s_chat_template() -> None:
+    from lookahead.benchmarks.prompt_sets import load_prompt_set
+    from lookahead.models.embedded import DEFAULT_MODEL
+    from lookahead.models.loading import load_tokenizer
+
+    edits = load_prompt_set("code_edit").prompts
+    formatted = request_prompts(parse_args(["--prompt-set", "code_edit", "--tokenizer", DEFAULT_MODEL]))
+    messages = [{"role": "user", "content": edits[0]}]
+    expected = load_tokenizer(DEFAULT_MODEL).apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True
+    )
+    assert formatted[0] == expected and formatted[0] != edits[0] and edits[0] in formatted[0]
+    assert request_prompts(parse_args(["--prompt-set", "code_edit", "--raw-prompts"])) == list(edits)
+    # completions go as they are
+    assert request_prompts(parse_args(["--prompt-set", "humaneval"])) == list(
+        load_prompt_set("humaneval").prompts
+    )
