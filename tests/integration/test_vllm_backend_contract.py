@@ -285,7 +285,22 @@ def test_vllm_metrics_count_real_requests_with_vllms_names_labels_and_buckets(
         "vllm:spec_decode_num_accepted_tokens_total": accepted,
     }
     assert {k: changes.get(k) for k in expected} == expected
-    assert drafted > 0 and 0 < changes["vllm:spec_decode_num_drafts_total"] <= drafted
+    assert changes.get("vllm:spec_decode_num_drafts_total", 0) <= drafted
+    # A streamed request alone drafts (three together may not: drafts shrink as the batch grows).
+    before = vllm_values(scrape(server), "lookahead")
+    inputs = tensors(PROMPT, stream=True, sampling_parameters=GREEDY, return_perf_metrics=True)
+    final = infer(server.grpc_url, "lookahead", inputs, "metrics-alone")[-1][0]
+    alone = {
+        name: value - before.get(name, 0.0)
+        for name, value in vllm_values(scrape(server), "lookahead").items()
+    }
+    drafted_alone = int(final.as_numpy("total_draft_tokens")[0])
+    assert drafted_alone > 0 and 0 < alone["vllm:spec_decode_num_drafts_total"] <= drafted_alone
+    assert alone["vllm:spec_decode_num_draft_tokens_total"] == drafted_alone
+    assert alone["vllm:spec_decode_num_accepted_tokens_total"] == int(
+        final.as_numpy("total_accepted_draft_tokens")[0]
+    )
+    assert alone["vllm:time_per_output_token_seconds_count"] == alone["vllm:generation_tokens_total"] - 1
     for name in (
         "time_to_first_token_seconds",
         "time_per_output_token_seconds",
