@@ -52,8 +52,8 @@ class ServedModels:
         if served is None:
             raise APIError(
                 400,
-                f"model `{model}` names no tokenizer for its chat template (no `model` parameter): "
-                "start the endpoint with --tokenizer",
+                f"model `{model}` names no tokenizer (for its chat template, or an echo's first token; "
+                "no `model` parameter): start the endpoint with --tokenizer",
                 "model",
             )
         async with self.loading:
