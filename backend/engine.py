@@ -20,7 +20,7 @@ import traceback
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
@@ -77,6 +77,7 @@ class RequestState:
     cancelled: bool = False
     generation: Generation | None = None
     first_output_time: float | None = None
+    last_output_time: float | None = None
     finish_time: float | None = None
     unreported_tokens: int = 0  # decoded, but their text is still held back by the detokenizer
     unreported_logprobs: list[PositionLogprobs] = field(default_factory=list)
@@ -89,6 +90,14 @@ class RequestState:
         """The most KV entries the request can hold (see LookaheadDecoder.longest)."""
         request = self.request
         return LookaheadDecoder.longest(len(request.prompt_ids), request.sampling, request.lookahead)
+
+
+class TokenArrival(NamedTuple):
+    """Tokens one step gave one request, for the per-step latency metrics."""
+
+    state: RequestState
+    count: int
+    previous: float | None  # when its previous tokens came; None for its first ones
 
 
 @dataclass(frozen=True)
@@ -133,6 +142,7 @@ class Engine:
         on_stopped: Callable[[str], None] | None = None,
         max_queued_requests: int = BackendConfig.max_queued_requests,
         queue_timeout_s: float = BackendConfig.queue_timeout_s,
+        on_step: Callable[[list[TokenArrival], float], None] | None = None,
     ):
         if max_running_requests < 1:
             raise ValueError(f"max_running_requests must be >= 1, got {max_running_requests}")
@@ -149,6 +159,7 @@ class Engine:
         self.unload_message = SHUTDOWN_MESSAGE
         self.unloaded = threading.Event()  # set by the engine thread once unload() took effect
         self.on_stopped = on_stopped
+        self.on_step = on_step  # told each step's tokens before their responses are emitted
         # Requests, _WAKE (look at `unloading` now) or None (stop).
         self.inbox: queue.SimpleQueue[RequestState | object | None] = queue.SimpleQueue()
         self.waiting: deque[RequestState] = deque()  # validated, not yet admitted (engine thread)
@@ -339,6 +350,7 @@ class Engine:
                     self._fail(state, error)
         if self.keeper is not None:
             self.keeper.mark_changed()
+        self._timestamp(states, outputs)
         for state, output in zip(states, outputs):
             if output.error is not None:
                 self._fail(state, output.error)
@@ -351,11 +363,21 @@ class Engine:
             else:
                 self.emit(update)
 
+    def _timestamp(self, states: list[RequestState], outputs: list[StepOutput]) -> None:
+        """Note when each request's tokens came, and tell on_step before any response goes out."""
+        now, arrivals = time.monotonic(), []
+        for state, output in zip(states, outputs):
+            if output.error is None and output.token_ids:
+                arrivals.append(TokenArrival(state, len(output.token_ids), state.last_output_time))
+                if state.first_output_time is None:
+                    state.first_output_time = now
+                state.last_output_time = now
+        if arrivals and self.on_step is not None:
+            self.on_step(arrivals, now)
+
     def _cancel(self, state: RequestState) -> None:
-        """End a cancelled request, logged in the vLLM backend's words (its clients read the log)."""
-        self.log.log_info(f"[vllm] Cancelling the request {state.id}")
+        """End a cancelled request (the response thread has answered it already)."""
         self._finish(state, Update.failed(state, FailureCode.CANCELLED, "Request was cancelled"))
-        self.log.log_info(f"[vllm] Successfully cancelled the request {state.id}")
 
     def _fail(self, state: RequestState, error: BaseException) -> None:
         """One broken request ends with an error; the instance and the other requests go on."""
@@ -366,8 +388,6 @@ class Engine:
     def _update_for(self, state: RequestState, output: StepOutput) -> Update | None:
         """The response this step produces, if any: streaming sends only steps that made text."""
         request = state.request
-        if state.first_output_time is None and output.token_ids:
-            state.first_output_time = time.monotonic()
         state.unreported_tokens += len(output.token_ids)
         if output.logprobs is not None:
             state.unreported_logprobs.extend(output.logprobs)

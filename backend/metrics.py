@@ -2,8 +2,8 @@
 
 Names mirror the vLLM backend's families under a `lookahead_` prefix, plus what speculation
 adds: draft tokens fed and accepted, and the global trie's size. Every metric call is an IPC
-round trip to the server, so updates are queued and applied by one thread of their own, never
-by the engine thread (vLLM backend PR #66).
+round trip to the server, so the engine and response threads only queue them: one MetricWriter
+thread per instance applies them, for these families and the vllm:* ones (backend/vllm_metrics.py).
 """
 
 from __future__ import annotations
@@ -12,8 +12,9 @@ import os
 import queue
 import threading
 import traceback
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
+from typing import Any, Literal
 
 import triton_python_backend_utils as pb_utils
 
@@ -93,6 +94,86 @@ FAMILIES: dict[str, tuple[str, str, str, list[float] | None]] = {
 }
 
 
+# How long the response thread waits for a request's metrics before sending its final response anyway.
+FLUSH_TIMEOUT_S = 2.0
+
+Operation = Literal["increment", "set", "observe"]
+Op = tuple[Any, Operation, float]  # (pb_utils.Metric, operation, value)
+
+
+class MetricWriter:
+    """The one thread of an instance that calls Triton's metric API.
+
+    It applies what is queued in batches: a batch's increments of one counter become one call,
+    its sets of one gauge the last one, and each histogram observation stays one call (the API
+    has no other). flush() waits until everything queued before it is visible on the metrics
+    port, so a request's final response can follow its metrics.
+    """
+
+    def __init__(self, log: Log):
+        self.log = log
+        self.queue: queue.SimpleQueue[list[Op] | threading.Event | None] = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._run, name="lookahead-metrics", daemon=True)
+        self.thread.start()
+
+    def put(self, ops: list[Op]) -> None:
+        """Queue metric calls; never blocks."""
+        if ops:
+            self.queue.put(ops)
+
+    def flush(self, timeout_s: float = FLUSH_TIMEOUT_S) -> bool:
+        """Wait until every call queued so far has been applied; False if that took over timeout_s."""
+        applied = threading.Event()
+        self.queue.put(applied)
+        return applied.wait(timeout_s)
+
+    def close(self) -> None:
+        """Apply what is queued and end the thread."""
+        self.queue.put(None)
+        self.thread.join()
+
+    def _run(self) -> None:
+        running = True
+        while running:
+            batch, flushed = [], []
+            item = self.queue.get()
+            while True:
+                if item is None:
+                    running = False
+                elif isinstance(item, threading.Event):
+                    flushed.append(item)
+                else:
+                    batch.extend(item)
+                try:
+                    item = self.queue.get_nowait()
+                except queue.Empty:
+                    break
+            try:
+                self._apply(batch)
+            except Exception:  # a failed metric update must never affect serving
+                self.log.log_error(f"Metric update failed: {traceback.format_exc()}")
+            for event in flushed:
+                event.set()
+
+    @staticmethod
+    def _apply(batch: list[Op]) -> None:
+        increments: dict[int, tuple[Any, float]] = {}
+        sets: dict[int, tuple[Any, float]] = {}
+        for metric, operation, value in batch:
+            if operation == "observe":
+                metric.observe(value)
+            elif operation == "increment":
+                total = increments.get(id(metric), (metric, 0))[1]
+                increments[id(metric)] = (metric, total + value)
+            else:
+                sets[id(metric)] = (metric, value)
+        for metric, value in increments.values():
+            if value:
+                metric.increment(value)
+        for metric, value in sets.values():
+            metric.set(value)
+
+
 def instance_labels(model: str, version: str, instance: str) -> dict[str, str]:
     """Labels that no other live instance shares.
 
@@ -149,10 +230,10 @@ class RequestRecord:
 
 
 class LookaheadMetrics:
-    """The metric families of one model instance and the thread that updates them."""
+    """The lookahead_* metric families of one model instance; their calls go through the writer."""
 
-    def __init__(self, labels: Mapping[str, str], log: Log):
-        self.log = log
+    def __init__(self, labels: Mapping[str, str], writer: MetricWriter):
+        self.writer = writer
         self.families: dict[str, pb_utils.MetricFamily] = {}
         self.metrics: dict[str, pb_utils.Metric] = {}
         for key, (name, description, kind, buckets) in FAMILIES.items():
@@ -162,15 +243,12 @@ class LookaheadMetrics:
             self.families[key] = family
             extra = {"buckets": buckets} if buckets else {}
             self.metrics[key] = family.Metric(labels=dict(labels), **extra)
-        self.queue: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
-        self.thread = threading.Thread(target=self._run, name="lookahead-metrics", daemon=True)
-        self.thread.start()
 
     @classmethod
-    def create(cls, labels: Mapping[str, str], log: Log) -> LookaheadMetrics | None:
+    def create(cls, labels: Mapping[str, str], writer: MetricWriter, log: Log) -> LookaheadMetrics | None:
         """The metrics, or None when the server runs with --allow-metrics=false."""
         try:
-            return cls(labels, log)
+            return cls(labels, writer)
         except pb_utils.TritonModelException as error:
             if "metrics not supported" not in str(error).lower():
                 raise
@@ -178,41 +256,30 @@ class LookaheadMetrics:
             return None
 
     def request_finished(self, update: Update) -> None:
-        """Count a request's final update (called from the response thread; never blocks)."""
+        """Queue what a request's final update adds (called from the response thread; never blocks)."""
         record = RequestRecord.of(update)
-        if record is not None:
-            self.queue.put(lambda: self._record(record))
-
-    def trie_size(self, nodes: int, byte_estimate: int) -> None:
-        self.queue.put(
-            lambda: (self.metrics["trie_nodes"].set(nodes), self.metrics["trie_bytes"].set(byte_estimate))
-        )
-
-    def trie_sync_counted(self, kind: str, count: int) -> None:
-        """Count sync events (called from the sync thread; never blocks): kind is one of sync.COUNTS."""
-        self.queue.put(lambda: self.metrics[f"sync_{kind}"].increment(count))
-
-    def close(self) -> None:
-        """Apply what is queued, end the thread, and drop the metrics before their families."""
-        self.queue.put(None)
-        self.thread.join()
-        self.metrics.clear()
-        self.families.clear()
-
-    def _record(self, record: RequestRecord) -> None:
-        for key in _COUNTERS:
-            self.metrics[key].increment(getattr(record, key))
+        if record is None:
+            return
+        ops: list[Op] = [(self.metrics[key], "increment", getattr(record, key)) for key in _COUNTERS]
         for key, value in (
             ("ttft", record.time_to_first_token_s),
             ("tpot", record.time_per_output_token_s),
             ("e2e", record.e2e_latency_s),
         ):
             if value is not None:
-                self.metrics[key].observe(value)
+                ops.append((self.metrics[key], "observe", value))
+        self.writer.put(ops)
 
-    def _run(self) -> None:
-        while (update := self.queue.get()) is not None:
-            try:
-                update()
-            except Exception:  # a failed metric update must never affect serving
-                self.log.log_error(f"Metric update failed: {traceback.format_exc()}")
+    def trie_size(self, nodes: int, byte_estimate: int) -> None:
+        self.writer.put(
+            [(self.metrics["trie_nodes"], "set", nodes), (self.metrics["trie_bytes"], "set", byte_estimate)]
+        )
+
+    def trie_sync_counted(self, kind: str, count: int) -> None:
+        """Count sync events (called from the sync thread; never blocks): kind is one of sync.COUNTS."""
+        self.writer.put([(self.metrics[f"sync_{kind}"], "increment", count)])
+
+    def close(self) -> None:
+        """Drop the metrics before their families (after the writer applied what was queued)."""
+        self.metrics.clear()
+        self.families.clear()

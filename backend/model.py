@@ -4,7 +4,7 @@ Each model's `1/model.py` re-exports this class, so every model in the repositor
 same code and differs only in its config.pbtxt `parameters`. Three threads per instance:
 Triton's, which only validates and enqueues (`execute` returns None at once); the engine
 thread, the only one touching the model; and the response thread, the only one calling a
-response sender. A metrics thread applies Prometheus updates when they are enabled.
+response sender. A metrics thread (MetricWriter) applies Prometheus updates when they are enabled.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from lookahead.state.warmup import warm_up
 from .config import BackendConfig
 from .drain import DrainableLog, watch_drain
 from .engine import Engine, FailureCode, RequestState, Update
-from .metrics import LookaheadMetrics, instance_labels
+from .metrics import LookaheadMetrics, MetricWriter, instance_labels
 from .orphan import exit_when_orphaned
 from .request import RequestError, RequestLimits, parse_request, prompt_byte_limit
 from .responses import ResponseLoop
@@ -163,12 +163,17 @@ class TritonPythonModel:
             acceptance_outputs=config.acceptance_outputs,
         )
 
-        self.metrics = self.vllm_metrics = None
+        self.metrics = self.vllm_metrics = self.metric_writer = None
         if config.report_custom_metrics:
             labels = instance_labels(args["model_name"], args["model_version"], args["model_instance_name"])
-            self.metrics = LookaheadMetrics.create(labels, self.logger)
+            writer = MetricWriter(self.logger)
+            self.metrics = LookaheadMetrics.create(labels, writer, self.logger)
             max_model_len = decoder.context_length or config.max_prompt_tokens
-            self.vllm_metrics = VllmMetrics.create(labels, max_model_len, self.logger)
+            self.vllm_metrics = VllmMetrics.create(labels, max_model_len, writer)
+            if self.metrics is None and self.vllm_metrics is None:
+                writer.close()
+            else:
+                self.metric_writer = writer
         if keeper is not None and config.trie_sync:
             self._join_fleet(keeper, config, loaded, decoder)
         if self.metrics is not None and keeper is not None:
@@ -187,6 +192,7 @@ class TritonPythonModel:
             on_stopped=self._on_engine_stopped,
             max_queued_requests=config.max_queued_requests,
             queue_timeout_s=config.queue_timeout_s,
+            on_step=self.vllm_metrics.step if self.vllm_metrics else None,
         )
         freeze_loaded_objects()
         self.responses.start()
@@ -296,6 +302,10 @@ class TritonPythonModel:
         gc.collect()
 
     def _close_metrics(self) -> None:
+        """Apply what is queued, then drop the metrics before their families."""
+        writer, self.metric_writer = self.metric_writer, None
+        if writer is not None:
+            writer.close()
         for metrics in (self.metrics, self.vllm_metrics):
             if metrics is not None:
                 metrics.close()
@@ -324,9 +334,13 @@ class TritonPythonModel:
         return loaded, keeper, decoder
 
     def _on_final(self, update: Update) -> None:
+        """Record a request's metrics and wait until they are applied, so that a scrape right after
+        its final response counts it (as one after vLLM's does)."""
         for metrics in (self.metrics, self.vllm_metrics):
             if metrics is not None:
                 metrics.request_finished(update)
+        if self.metric_writer is not None and not self.metric_writer.flush():
+            self.logger.log_warn(f"The metrics of request {update.state.id} were not applied in time")
 
     def _open_trie(self, config: BackendConfig, instance_name: str, loaded: LoadedModel) -> TrieKeeper:
         """This instance's global trie: its last snapshot, else the warm-up corpus, else empty."""

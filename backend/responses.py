@@ -2,8 +2,9 @@
 
 `send()` and `is_cancelled()` are blocking IPC round trips to the server process, so they run
 here and never on the engine thread (vLLM backend PR #46/#54). After each non-final send we ask
-whether the client cancelled, and we poll requests that have not had a response for a while
-(non-streaming ones, or a long prefill), so the engine learns of a cancellation within a step.
+whether the client cancelled, and every CANCEL_POLL_S we ask for each request in flight. A
+cancelled request is answered here at once (a step can take seconds: a long prompt chunk, a
+loaded machine); the engine drops it before its next step and its later updates are not sent.
 While requests are in flight it also asks the server whether the model is still served: Triton
 finalizes a model only after its requests end, so an unload (or a server shutdown) must reach
 the engine through here.
@@ -86,7 +87,8 @@ class ResponseLoop:
 
     A response that cannot be built becomes a final INTERNAL error, and a final one that cannot be
     sent is retried as a bare final flag: whatever fails, the thread goes on and the client is
-    answered. `served()` (the server's readiness of this model) turning false calls `on_unload()`.
+    answered. `on_final` gets the engine's final update of each request before it is sent.
+    `served()` (the server's readiness of this model) turning false calls `on_unload()`.
     """
 
     def __init__(
@@ -159,6 +161,11 @@ class ResponseLoop:
 
     def _send(self, update: Update) -> None:
         state = update.state
+        if update.final:  # the engine's one final update of the request: its metrics go out first
+            try:
+                self.on_final(update)
+            except Exception:
+                self.log.log_error(f"Error recording request {state.id}: {traceback.format_exc()}")
         if state.answered:  # it already got a final error in place of a response that failed
             return
         final = update.final
@@ -171,8 +178,8 @@ class ResponseLoop:
         flags = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0
         try:
             state.sender.send(response, flags=flags)
-            if not final:
-                state.cancelled = state.sender.is_cancelled()
+            if not final and state.sender.is_cancelled():
+                self._end_cancelled(state)
         except Exception:  # a vanished client must not stop the responses of the others
             self.log.log_error(f"Error sending a response for request {state.id}: {traceback.format_exc()}")
             if final:
@@ -180,10 +187,25 @@ class ResponseLoop:
         if final:
             state.answered = True
             self.in_flight.discard(state)
-            try:
-                self.on_final(update)
-            except Exception:
-                self.log.log_error(f"Error recording request {state.id}: {traceback.format_exc()}")
+
+    def _end_cancelled(self, state: RequestState) -> None:
+        """The client cancelled: its final CANCELLED response goes out now, logged in the vLLM
+        backend's words (its clients read the log); the engine drops the request before its next step."""
+        self.log.log_info(f"[vllm] Cancelling the request {state.id}")
+        state.cancelled = True
+        try:
+            state.sender.send(
+                error_response("CANCELLED", "Request was cancelled"),
+                flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL,
+            )
+        except Exception:
+            self.log.log_error(
+                f"Error sending the cancellation of request {state.id}: {traceback.format_exc()}"
+            )
+            self._complete(state)
+        state.answered = True
+        self.in_flight.discard(state)
+        self.log.log_info(f"[vllm] Successfully cancelled the request {state.id}")
 
     def _complete(self, state: RequestState) -> None:
         """The bare final flag, so the request completes even when its final response failed."""
@@ -208,10 +230,10 @@ class ResponseLoop:
         """Ask every request still in flight: one IPC each, at most every CANCEL_POLL_S."""
         self.last_poll = time.monotonic()
         for state in list(self.in_flight):
-            if not state.cancelled:
-                try:
-                    state.cancelled = state.sender.is_cancelled()
-                except Exception:
-                    self.log.log_error(
-                        f"is_cancelled() failed for request {state.id}: {traceback.format_exc()}"
-                    )
+            try:
+                cancelled = state.sender.is_cancelled()
+            except Exception:
+                self.log.log_error(f"is_cancelled() failed for request {state.id}: {traceback.format_exc()}")
+                continue
+            if cancelled:
+                self._end_cancelled(state)

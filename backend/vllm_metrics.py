@@ -2,21 +2,19 @@
 
 Same names, labels (model, version) and bucket boundaries as triton-inference-server/vllm_backend
 exports, so a dashboard built for it reads this server unchanged; plus vLLM's speculative-decoding
-counters, fed by the lookahead drafts. A request is counted once, when it ends; like the
-`lookahead_*` families, every update is applied by a thread of its own (each is an IPC round trip).
+counters, fed by the lookahead drafts. Latencies are observed per engine step, the rest when a
+request ends; everything a request adds is applied before its final response is sent (the
+response thread flushes the instance's MetricWriter first), so a scrape right after it sees it.
 """
 
 from __future__ import annotations
 
-import queue
-import threading
-import traceback
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 
 import triton_python_backend_utils as pb_utils
 
-from .engine import Log, Update
-from .metrics import RequestRecord
+from .engine import TokenArrival, Update
+from .metrics import MetricWriter, Op, RequestRecord
 
 TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0]
 TPOT_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5]
@@ -52,12 +50,25 @@ def buckets_1_2_5(max_value: int) -> list[float]:
         scale *= 10
 
 
-def observations(update: Update) -> tuple[dict[str, int], list[tuple[str, float]]]:
-    """What a request's final update adds: counter increments, and histogram observations.
+def step_observations(arrivals: list[TokenArrival], now: float) -> list[tuple[str, float]]:
+    """What one engine step adds, as vLLM records it per step: a request's first tokens observe
+    its time to first token, every later token its time per output token.
 
-    vLLM observes the time per output token once per token after the first; the tokens of one
-    lookahead step arrive together, so each observes its request's mean.
+    The tokens of one lookahead step arrive together: each observes the step's time since the
+    request's previous tokens divided among them (those that came with the first token, 0).
     """
+    observed: list[tuple[str, float]] = []
+    for state, count, previous in arrivals:
+        if previous is None:
+            observed.append(("ttft", now - state.arrival))
+            observed += [("tpot", 0.0)] * (count - 1)
+        else:
+            observed += [("tpot", (now - previous) / count)] * count
+    return observed
+
+
+def final_observations(update: Update) -> tuple[dict[str, int], list[tuple[str, float]]]:
+    """What a request's final update adds: counter increments, and histogram observations."""
     record, stats = RequestRecord.of(update), update.stats
     if record is None or stats is None:
         return {}, []
@@ -72,21 +83,18 @@ def observations(update: Update) -> tuple[dict[str, int], list[tuple[str, float]
     if record.e2e_latency_s is None:  # failed or cancelled: vLLM counts finished requests only
         return counters, observed
     observed += [
-        ("ttft", record.time_to_first_token_s),
         ("e2e", record.e2e_latency_s),
         ("request_prompt_tokens", record.prompt_tokens),
         ("request_generation_tokens", record.generation_tokens),
     ]
-    if record.time_per_output_token_s is not None:
-        observed += [("tpot", record.time_per_output_token_s)] * (record.generation_tokens - 1)
     return counters, observed
 
 
 class VllmMetrics:
-    """The vllm:* families of one model instance and the thread that updates them."""
+    """The vllm:* families of one model instance; their calls go through the writer."""
 
-    def __init__(self, labels: Mapping[str, str], max_model_len: int, log: Log):
-        self.log = log
+    def __init__(self, labels: Mapping[str, str], max_model_len: int, writer: MetricWriter):
+        self.writer = writer
         buckets = {
             "ttft": TTFT_BUCKETS,
             "tpot": TPOT_BUCKETS,
@@ -105,43 +113,33 @@ class VllmMetrics:
                 self.families.append(family)
                 extra = {"buckets": buckets[key]} if key in buckets else {}
                 self.metrics[key] = family.Metric(labels=dict(labels), **extra)
-        self.queue: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
-        self.thread = threading.Thread(target=self._run, name="lookahead-vllm-metrics", daemon=True)
-        self.thread.start()
 
     @classmethod
-    def create(cls, labels: Mapping[str, str], max_model_len: int, log: Log) -> VllmMetrics | None:
+    def create(
+        cls, labels: Mapping[str, str], max_model_len: int, writer: MetricWriter
+    ) -> VllmMetrics | None:
         """The metrics, or None when the server runs with --allow-metrics=false."""
         try:
-            return cls(labels, max_model_len, log)
+            return cls(labels, max_model_len, writer)
         except pb_utils.TritonModelException as error:
             if "metrics not supported" not in str(error).lower():
                 raise
             return None
 
+    def step(self, arrivals: list[TokenArrival], now: float) -> None:
+        """Queue what an engine step adds (called from the engine thread; never blocks)."""
+        self.writer.put(
+            [(self.metrics[key], "observe", value) for key, value in step_observations(arrivals, now)]
+        )
+
     def request_finished(self, update: Update) -> None:
-        """Count a request's final update (called from the response thread; never blocks)."""
-        counters, observed = observations(update)
-        if counters or observed:
-            self.queue.put(lambda: self._record(counters, observed))
+        """Queue what a request's final update adds (called from the response thread; never blocks)."""
+        counters, observed = final_observations(update)
+        ops: list[Op] = [(self.metrics[key], "increment", value) for key, value in counters.items()]
+        ops += [(self.metrics[key], "observe", value) for key, value in observed]
+        self.writer.put(ops)
 
     def close(self) -> None:
-        """Apply what is queued, end the thread, and drop the metrics before their families."""
-        self.queue.put(None)
-        self.thread.join()
+        """Drop the metrics before their families (after the writer applied what was queued)."""
         self.metrics.clear()
         self.families.clear()
-
-    def _record(self, counters: dict[str, int], observed: list[tuple[str, float]]) -> None:
-        for key, value in counters.items():
-            if value:
-                self.metrics[key].increment(value)
-        for key, value in observed:
-            self.metrics[key].observe(value)
-
-    def _run(self) -> None:
-        while (update := self.queue.get()) is not None:
-            try:
-                update()
-            except Exception:  # a failed metric update must never affect serving
-                self.log.log_error(f"vllm:* metric update failed: {traceback.format_exc()}")

@@ -13,6 +13,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
@@ -151,7 +152,7 @@ class TextFormat:
         return {
             "tokens": [t.token for t in tokens],
             "token_logprobs": [t.logprob for t in tokens],
-            "top_logprobs": [dict(t.top) for t in tokens],
+            "top_logprobs": [None if t.top is None else dict(t.top) for t in tokens],
             "text_offset": offsets,
         }
 
@@ -179,10 +180,13 @@ async def chat_completions(request: Request) -> Response:
 
 async def completions(request: Request) -> Response:
     body = await parse(request, CompletionRequest)
-    await request.app.state.models.require(body.model)
+    models: ServedModels = request.app.state.models
+    await models.require(body.model)
     echo = body.text if body.echo else ""
+    first_token = await models.first_token(body.model, body.text) if body.scores_prompt else None
+    form = TextFormat(0 if first_token is not None else len(echo))  # offsets into the returned text
     return await complete(
-        request, body, body.text, TextFormat(len(echo)), top_logprobs=body.logprobs or 0, echo=echo
+        request, body, body.text, form, top_logprobs=body.logprobs or 0, echo=echo, first_token=first_token
     )
 
 
@@ -194,8 +198,10 @@ async def complete(
     *,
     top_logprobs: int,
     echo: str = "",
+    first_token: str | None = None,
 ) -> Response:
-    """One Triton request for `prompt`, answered whole or as server-sent events."""
+    """One Triton request for `prompt`, answered whole or as server-sent events. With first_token
+    (the prompt's first token's text), the prompt's tokens and logprobs lead the completion's."""
     request_id = f"{form.id_prefix}-{uuid.uuid4().hex}"
     tensors = inputs(prompt, body.sampling_parameters(), stream=body.stream, logprobs=body.wants_logprobs)
     triton: Triton = request.app.state.triton
@@ -204,6 +210,8 @@ async def complete(
     disconnect = Disconnect(request)
     try:
         first = await disconnect.race(anext(pieces))
+        if first_token is not None:
+            first = with_prompt_logprobs(first, first_token)
         if body.stream:
             events = stream(pieces, first, disconnect, header, form, echo, body.include_usage)
             return StreamingResponse(events, media_type="text/event-stream")
@@ -224,6 +232,13 @@ async def complete(
     disconnect.close()
     choice = form.choice(text, logprobs if body.wants_logprobs else None, piece.finish_reason or "stop")
     return JSONResponse({**header, "object": form.whole, "choices": [choice], "usage": usage.json()})
+
+
+def with_prompt_logprobs(piece: Piece, first_token: str) -> Piece:
+    """The first response with the prompt's tokens before its own (the first with no logprob)."""
+    scored = piece.prompt_logprobs or [None]
+    prompt = [TokenLogprob(first_token, None, None), *(t for t in scored[1:] if t is not None)]
+    return replace(piece, logprobs=prompt + (piece.logprobs or []))
 
 
 async def stream(

@@ -40,13 +40,20 @@ class ServedModels:
         except Exception as error:  # the template's own refusal (e.g. roles out of order)
             raise APIError(400, f"messages: {error}", "messages") from None
 
+    async def first_token(self, model: str, prompt: str) -> str:
+        """The text of the first token of `prompt` as the server tokenizes it (the prompt's logprobs
+        leave it out: nothing precedes it)."""
+        tokenizer = await self.tokenizer(model)
+        ids = tokenizer.encode(prompt)
+        return tokenizer.decode(ids[:1])
+
     async def tokenizer(self, model: str) -> Any:
         served = self.tokenizer_override or await self.triton.served_model(model)
         if served is None:
             raise APIError(
                 400,
-                f"model `{model}` names no tokenizer for its chat template (no `model` parameter): "
-                "start the endpoint with --tokenizer",
+                f"model `{model}` names no tokenizer (for its chat template, or an echo's first token; "
+                "no `model` parameter): start the endpoint with --tokenizer",
                 "model",
             )
         async with self.loading:

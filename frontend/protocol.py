@@ -197,12 +197,6 @@ class CompletionRequest(_Request):
     best_of: Literal[1] | None = None
     suffix: None = None
 
-    @model_validator(mode="after")
-    def _no_prompt_logprobs(self) -> CompletionRequest:
-        if self.echo and self.logprobs is not None:
-            raise ValueError("echo together with logprobs is not supported (the prompt's logprobs)")
-        return self
-
     @property
     def text(self) -> str:
         return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
@@ -211,7 +205,14 @@ class CompletionRequest(_Request):
         sampling = super().sampling_parameters()
         if self.logprobs is not None:
             sampling["logprobs"] = self.logprobs
+            if self.echo:  # the echoed prompt's tokens come with theirs (vLLM's prompt_logprobs)
+                sampling["prompt_logprobs"] = self.logprobs
         return sampling
+
+    @property
+    def scores_prompt(self) -> bool:
+        """The response lists the prompt's tokens and their logprobs before the completion's."""
+        return self.echo and self.logprobs is not None
 
     @property
     def wants_logprobs(self) -> bool:

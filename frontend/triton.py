@@ -27,11 +27,12 @@ _FLAGS = ("return_finish_reason", "return_num_input_tokens", "return_num_output_
 
 @dataclass(frozen=True)
 class TokenLogprob:
-    """One generated token's logprob and the most likely tokens at its position (best first)."""
+    """One token's logprob and the most likely tokens at its position (best first); both None for
+    the prompt's first token, which nothing precedes."""
 
     token: str
-    logprob: float
-    top: list[tuple[str, float]]
+    logprob: float | None
+    top: list[tuple[str, float]] | None
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,7 @@ class Piece:
     prompt_tokens: int | None = None
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # asked for: on the first one, first None
     final: bool = False
 
 
@@ -70,6 +72,7 @@ def read_piece(result: grpcclient.InferResult, top_logprobs: int) -> Piece:
     """A Piece from one response; top_logprobs: how many of the most likely tokens to keep."""
     finish = _string(result, "finish_reason")
     raw_logprobs = _string(result, "logprobs")
+    raw_prompt_logprobs = _string(result, "prompt_logprobs")
     prompt_tokens = result.as_numpy("num_input_tokens")
     return Piece(
         text=_string(result, "text_output") or "",
@@ -77,6 +80,9 @@ def read_piece(result: grpcclient.InferResult, top_logprobs: int) -> Piece:
         prompt_tokens=None if prompt_tokens is None else int(prompt_tokens[0]),
         finish_reason=finish,
         logprobs=None if raw_logprobs is None else token_logprobs(raw_logprobs, top_logprobs),
+        prompt_logprobs=None
+        if raw_prompt_logprobs is None
+        else token_logprobs(raw_prompt_logprobs, top_logprobs),
         final=result.get_response().parameters["triton_final_response"].bool_param,
     )
 
@@ -86,14 +92,17 @@ def _string(result: grpcclient.InferResult, name: str) -> str | None:
     return None if array is None else array.reshape(-1)[0].decode("utf-8")
 
 
-def token_logprobs(raw: str, top: int) -> list[TokenLogprob] | None:
+def token_logprobs(raw: str, top: int) -> list[TokenLogprob | None] | None:
     """vLLM's logprobs JSON (per token {id: {logprob, rank, decoded_token}}, the chosen token
-    first) as TokenLogprobs with the `top` most likely tokens by rank."""
+    first, or null where there is none) as TokenLogprobs with the `top` most likely tokens by rank."""
     positions = json.loads(raw)
     if positions is None:
         return None
-    tokens = []
+    tokens: list[TokenLogprob | None] = []
     for position in positions:
+        if position is None:
+            tokens.append(None)
+            continue
         entries = list(position.values())
         ranked = sorted(entries, key=lambda entry: entry["rank"])
         tokens.append(

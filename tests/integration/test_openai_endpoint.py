@@ -224,6 +224,30 @@ def test_logprobs_have_one_entry_per_token(client):
     assert logprobs.text_offset == [sum(len(t) for t in logprobs.tokens[:i]) for i in range(8)]
 
 
+def test_echo_with_logprobs_scores_the_prompts_tokens_first(client, tokenizer):
+    plain = client.completions.create(model="lookahead", prompt=CODE, temperature=0, max_tokens=8, logprobs=2)
+    echoed = client.completions.create(
+        model="lookahead", prompt=CODE, temperature=0, max_tokens=8, logprobs=2, echo=True
+    )
+    prompt_ids = tokenizer.encode(CODE)
+    count = len(prompt_ids)
+    logprobs = echoed.choices[0].logprobs
+    assert echoed.choices[0].text == CODE + plain.choices[0].text
+    assert logprobs.tokens == [tokenizer.decode([i]) for i in prompt_ids] + plain.choices[0].logprobs.tokens
+    assert "".join(logprobs.tokens) == echoed.choices[0].text
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None  # nothing precedes it
+    assert all(lp <= 0 for lp in logprobs.token_logprobs[1:count])
+    assert all(1 <= len(top) <= 3 for top in logprobs.top_logprobs[1:count])  # the token and the top 2
+    assert logprobs.token_logprobs[count:] == pytest.approx(plain.choices[0].logprobs.token_logprobs)
+    assert logprobs.text_offset == [sum(len(t) for t in logprobs.tokens[:i]) for i in range(count + 8)]
+    streamed = client.completions.create(
+        model="lookahead", prompt=CODE, temperature=0, max_tokens=8, logprobs=2, echo=True, stream=True
+    )
+    chunks = [chunk.choices[0].logprobs for chunk in streamed if chunk.choices[0].logprobs]
+    assert [t for chunk in chunks for t in chunk.tokens] == logprobs.tokens
+    assert [o for chunk in chunks for o in chunk.text_offset] == logprobs.text_offset
+
+
 def test_refusals_name_the_field(client):
     def refused(error: type[openai.APIStatusError], **request: Any) -> openai.APIStatusError:
         with pytest.raises(error) as caught:

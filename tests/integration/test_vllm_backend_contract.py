@@ -218,16 +218,16 @@ def test_a_cancelled_request_is_cancelled_and_logged_as_the_vllm_backend_does(se
     client.async_stream_infer("baseline", inputs, request_id="poem")
     time.sleep(1)
     client.stop_stream(cancel_requests=True)
+    cancelled = time.monotonic()
     client.close()
     result, error = responses.get(timeout=30)
     assert result is None and error.status() == "StatusCode.CANCELLED"
     assert responses.empty()
-    assert wait_for(
-        lambda: (
-            "[vllm] Successfully cancelled the request poem" in server.log_file.read_text(errors="replace")
-        )
-    )
-    assert "[vllm] Cancelling the request poem" in server.log_file.read_text(errors="replace")
+    # The vLLM backend's test reads the log one second after cancelling; the engine may still be
+    # in its step then (seconds, on a loaded machine), so the response thread answers and logs it.
+    lines = ("[vllm] Cancelling the request poem", "[vllm] Successfully cancelled the request poem")
+    assert wait_for(lambda: all(line in server.log_file.read_text(errors="replace") for line in lines), 5)
+    assert time.monotonic() - cancelled < 1.0 + 0.2  # the test's second, and the 0.2 s of this wait's polls
 
 
 # vllm_metrics_test
@@ -236,30 +236,39 @@ def test_a_cancelled_request_is_cancelled_and_logged_as_the_vllm_backend_does(se
 def test_vllm_metrics_count_real_requests_with_vllms_names_labels_and_buckets(
     server, default_model: LoadedModel
 ):
+    # As the vLLM backend's test does: whole (not streamed) requests together on one gRPC stream,
+    # and a scrape as soon as the last one returned, with no wait for the metrics to settle.
     prompts = ["The most dangerous animal is", "The capital of France is", "The future of AI is"]
     before = vllm_values(scrape(server), "lookahead")
-    finals = []
+    responses: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    client.start_stream(callback=lambda result, error: responses.put((result, error)))
     for index, prompt in enumerate(prompts):
         inputs = tensors(
             prompt,
-            stream=True,
+            stream=False,
             sampling_parameters=GREEDY,
             return_num_output_tokens=True,
             return_perf_metrics=True,
         )
-        responses = infer(server.grpc_url, "lookahead", inputs, f"metrics-{index}")
-        finals.append((sum(int(r.as_numpy("num_output_tokens")[0]) for r, _ in responses), responses[-1][0]))
+        client.async_stream_infer("lookahead", inputs, request_id=f"metrics-{index}")
+    finals = []
+    for _ in prompts:
+        result, error = responses.get(timeout=180)
+        assert error is None, error
+        finals.append(result)
+    changes = {
+        name: value - before.get(name, 0.0)
+        for name, value in vllm_values(scrape(server), "lookahead").items()
+    }
+    client.stop_stream()
+    client.close()
     requests = len(prompts)
     prompt_tokens = sum(len(default_model.tokenizer.encode(p)) for p in prompts)
-    generated = sum(tokens for tokens, _ in finals)
-    drafted = sum(int(final.as_numpy("total_draft_tokens")[0]) for _, final in finals)
-    accepted = sum(int(final.as_numpy("total_accepted_draft_tokens")[0]) for _, final in finals)
+    generated = sum(int(final.as_numpy("num_output_tokens")[0]) for final in finals)
+    drafted = sum(int(final.as_numpy("total_draft_tokens")[0]) for final in finals)
+    accepted = sum(int(final.as_numpy("total_accepted_draft_tokens")[0]) for final in finals)
     assert generated == 16 * requests
-
-    def delta() -> dict[str, float]:
-        after = vllm_values(scrape(server), "lookahead")
-        return {name: value - before.get(name, 0.0) for name, value in after.items()}
-
     expected = {
         "vllm:prompt_tokens_total": prompt_tokens,
         "vllm:generation_tokens_total": generated,
@@ -275,11 +284,23 @@ def test_vllm_metrics_count_real_requests_with_vllms_names_labels_and_buckets(
         "vllm:spec_decode_num_draft_tokens_total": drafted,
         "vllm:spec_decode_num_accepted_tokens_total": accepted,
     }
-    changes = wait_for(
-        lambda: (found := delta()) and all(found.get(k) == v for k, v in expected.items()) and found
+    assert {k: changes.get(k) for k in expected} == expected
+    assert changes.get("vllm:spec_decode_num_drafts_total", 0) <= drafted
+    # A streamed request alone drafts (three together may not: drafts shrink as the batch grows).
+    before = vllm_values(scrape(server), "lookahead")
+    inputs = tensors(PROMPT, stream=True, sampling_parameters=GREEDY, return_perf_metrics=True)
+    final = infer(server.grpc_url, "lookahead", inputs, "metrics-alone")[-1][0]
+    alone = {
+        name: value - before.get(name, 0.0)
+        for name, value in vllm_values(scrape(server), "lookahead").items()
+    }
+    drafted_alone = int(final.as_numpy("total_draft_tokens")[0])
+    assert drafted_alone > 0 and 0 < alone["vllm:spec_decode_num_drafts_total"] <= drafted_alone
+    assert alone["vllm:spec_decode_num_draft_tokens_total"] == drafted_alone
+    assert alone["vllm:spec_decode_num_accepted_tokens_total"] == int(
+        final.as_numpy("total_accepted_draft_tokens")[0]
     )
-    assert changes, {k: (delta().get(k), v) for k, v in expected.items()}
-    assert drafted > 0 and 0 < changes["vllm:spec_decode_num_drafts_total"] <= drafted
+    assert alone["vllm:time_per_output_token_seconds_count"] == alone["vllm:generation_tokens_total"] - 1
     for name in (
         "time_to_first_token_seconds",
         "time_per_output_token_seconds",

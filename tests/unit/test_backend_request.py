@@ -480,9 +480,6 @@ def test_a_cancelled_request_stops_within_one_step_and_gets_one_cancelled_final(
     assert (updates[-1].failure, updates[-1].message) == (FailureCode.CANCELLED, "Request was cancelled")
     assert decoder.generations["c"].closed
     assert decoder.order == ["c", "c"]
-    # The vLLM backend's log lines, which its cancellation test reads.
-    assert "[vllm] Cancelling the request req-c" in recorder.info
-    assert "[vllm] Successfully cancelled the request req-c" in recorder.info
 
 
 def test_a_failing_step_ends_only_that_request():

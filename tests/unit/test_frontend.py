@@ -9,10 +9,10 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from frontend.app import ChatFormat, TextFormat
+from frontend.app import ChatFormat, TextFormat, with_prompt_logprobs
 from frontend.errors import APIError, from_triton, from_validation
 from frontend.protocol import ChatCompletionRequest, CompletionRequest
-from frontend.triton import token_logprobs
+from frontend.triton import Piece, TokenLogprob, token_logprobs
 
 USER = [{"role": "user", "content": "hi"}]
 
@@ -66,6 +66,31 @@ def test_only_what_the_body_sets_is_sent_so_the_models_defaults_apply():
         {"model": "m", "prompt": ["p"], "logprobs": 2, "max_tokens": 5}
     )
     assert completion.text == "p" and completion.sampling_parameters() == {"logprobs": 2, "max_tokens": 5}
+    assert not completion.scores_prompt
+
+
+def test_echo_with_logprobs_asks_for_the_prompts_logprobs_as_vllm_names_them():
+    echoed = CompletionRequest.model_validate({"model": "m", "prompt": "p", "echo": True, "logprobs": 3})
+    assert echoed.scores_prompt
+    assert echoed.sampling_parameters() == {"logprobs": 3, "prompt_logprobs": 3}
+    plain_echo = CompletionRequest.model_validate({"model": "m", "prompt": "p", "echo": True})
+    assert not plain_echo.scores_prompt and plain_echo.sampling_parameters() == {}
+
+
+def test_the_prompts_tokens_lead_the_logprobs_the_first_without_any():
+    def position(token: str, logprob: float) -> dict:
+        return {"9": {"logprob": logprob, "rank": 1, "decoded_token": token}}
+
+    scored = token_logprobs(json.dumps([None, position(" b", -1.5), position(" c", -0.5)]), top=1)
+    generated = token_logprobs(json.dumps([position(" d", -0.25)]), top=1)
+    piece = with_prompt_logprobs(Piece(" d", 1, logprobs=generated, prompt_logprobs=scored), first_token="a")
+    assert piece.logprobs[0] == TokenLogprob("a", None, None)
+    assert TextFormat(0).logprobs(piece.logprobs) == {
+        "tokens": ["a", " b", " c", " d"],
+        "token_logprobs": [None, -1.5, -0.5, -0.25],
+        "top_logprobs": [None, {" b": -1.5}, {" c": -0.5}, {" d": -0.25}],
+        "text_offset": [0, 1, 3, 5],
+    }
 
 
 def test_response_format_becomes_vllms_structured_outputs():
@@ -115,7 +140,6 @@ def test_chat_messages_reach_the_template_as_text():
         (ChatCompletionRequest, {"messages": [{"role": "tool", "content": "x"}]}, "messages.0.role", "user"),
         (CompletionRequest, {"prompt": ["a", "b"]}, "prompt", ""),
         (CompletionRequest, {"prompt": "a", "best_of": 2}, "best_of", ""),
-        (CompletionRequest, {"prompt": "a", "echo": True, "logprobs": 1}, "", "echo together with logprobs"),
     ],
 )
 def test_a_refusal_names_the_field(schema, body, param, words):

@@ -55,6 +55,7 @@ class Sender:
         self.sent: list[tuple[InferenceResponse | None, int]] = []
         self.failing, self.calls = failing, 0
         self.done = threading.Event()
+        self.cancelled = False
 
     def send(self, response: InferenceResponse | None = None, flags: int = 0) -> None:
         self.calls += 1
@@ -65,15 +66,16 @@ class Sender:
             self.done.set()
 
     def is_cancelled(self) -> bool:
-        return False
+        return self.cancelled
 
 
 class Log:
     def __init__(self):
         self.errors: list[str] = []
+        self.info: list[str] = []
 
     def log_info(self, message: str) -> None:
-        pass
+        self.info.append(message)
 
     log_warn = log_info
 
@@ -167,3 +169,39 @@ def test_failed_updates_carry_their_code(responses):
     assert [(r.error.code, r.error.message) for r, _ in sender.sent] == [
         ("UNAVAILABLE", "the model is being unloaded")
     ]
+
+
+def test_a_cancelled_request_is_answered_at_the_next_poll_and_its_engine_final_only_recorded(
+    responses, monkeypatch
+):
+    monkeypatch.setattr(responses, "CANCEL_POLL_S", 0.05)
+    sender, recorded = Sender(), []
+    a = state("a", sender)
+    sending, log = run(responses, [], on_final=recorded.append)
+    sending.watch(a)
+    sender.cancelled = True  # the client cancels while the engine is still in a step
+    assert sender.done.wait(5)
+    assert a.cancelled and a.answered  # the engine drops it before its next step
+    assert [(r.error.code, r.error.message, flags) for r, flags in sender.sent] == [
+        ("CANCELLED", "Request was cancelled", FINAL)
+    ]
+    # The vLLM backend's log lines, which its cancellation test reads.
+    assert log.info == ["[vllm] Cancelling the request a", "[vllm] Successfully cancelled the request a"]
+    engine_final = Update.failed(a, FailureCode.CANCELLED, "Request was cancelled")
+    sending.put(engine_final)
+    sending.stop()
+    assert len(sender.sent) == 1 and recorded == [engine_final]
+
+
+def test_the_final_update_is_recorded_before_it_is_sent(responses):
+    sender, order = Sender(), []
+    original_send = sender.send
+    sender.send = lambda *args, **kwargs: (order.append("send"), original_send(*args, **kwargs))
+    sending, _ = run(
+        responses,
+        [Update(state("a", sender), final=True, text="x")],
+        on_final=lambda u: order.append("record"),
+    )
+    assert sender.done.wait(5)
+    sending.stop()
+    assert order == ["record", "send"]
