@@ -304,12 +304,14 @@ class LookaheadDecoder:
 
     def _admit(self, gen: Generation) -> None:
         """Give a new generation a pool slot holding whatever prefix of its prompt the prefix cache
-        has (none when its prompt is scored: every prompt position's logits are needed)."""
+        has (none when its prompt is scored, every prompt position's logits being needed, nor when
+        it does not learn)."""
         if self.pool.layout is None:
             self.pool.layout = self.kv_layout
-        # A request that teaches nothing leaves no trace in the prefix cache, not even an LRU refresh.
-        touch = gen.config.learn
-        cached, keys, values = (0, [], []) if gen.scoring_prompt else self.prefix_cache.lookup(gen.ids, touch)
+        # The prefix cache is shared by the requests that learn: one that does not neither reads
+        # nor leaves anything there (see _prompt_read), so no match crosses the two scopes.
+        shared = gen.config.learn and not gen.scoring_prompt
+        cached, keys, values = self.prefix_cache.lookup(gen.ids) if shared else (0, [], [])
         self.pool.admit(gen, keys, values, used=self._held_entries())
         gen.fed = cached
         gen.stats.cached_prompt_tokens = cached

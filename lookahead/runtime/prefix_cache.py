@@ -43,12 +43,10 @@ class PrefixCache:
         """KV positions held (the prompts' and whatever else their tensors hold)."""
         return self._held
 
-    def lookup(
-        self, prompt: list[int], touch: bool = True
-    ) -> tuple[int, list[torch.Tensor], list[torch.Tensor]]:
+    def lookup(self, prompt: list[int]) -> tuple[int, list[torch.Tensor], list[torch.Tensor]]:
         """(n, keys, values) of prompt[:n] for the longest n found (per layer [1, kv_heads, n,
         head_dim]), at most len(prompt) - 1 (the last prompt token is always fed, for its
-        logits); n = 0 and no tensors on a miss. touch: the entry found becomes the most recent."""
+        logits); n = 0 and no tensors on a miss. The entry found becomes the most recent."""
         if not self._entries or len(prompt) < 2:
             return 0, [], []
         query = torch.tensor(prompt[:-1])
@@ -61,8 +59,7 @@ class PrefixCache:
                 best, found = key, common
         if best is None:
             return 0, [], []
-        if touch:
-            self._entries.move_to_end(best)
+        self._entries.move_to_end(best)
         entry = self._entries[best]
         return (
             found,

@@ -123,8 +123,8 @@ def test_the_decoder_prefills_only_what_is_not_cached_and_stays_lossless(
 
 
 def test_a_request_with_learn_off_leaves_no_trace_in_the_prefix_cache(tiny_model, byte_tokenizer) -> None:
-    """Its prompt is not stored (a later request cannot find it by timing) and its lookups do not
-    refresh an entry; it may read what any client can read, and stays lossless."""
+    """Its prompt is not stored (a later request cannot find it by timing), and it reads nothing the
+    learning requests stored: no match crosses the two scopes, and it stays lossless."""
     model = tiny_model("qwen2")
     decoder = LookaheadDecoder(model, byte_tokenizer, NGramTrie(capacity=10_000, max_depth=9))
     private = LookaheadConfig(learn=False)
@@ -140,9 +140,12 @@ def test_a_request_with_learn_off_leaves_no_trace_in_the_prefix_cache(tiny_model
     for prompt in (shared, other):
         decoder.generate(prompt, SamplingParams(max_tokens=4))
     held = list(decoder.prefix_cache._entries)
-    read = decoder.generate(shared + list(b" more"), SamplingParams(max_tokens=8), private)[1]
-    assert read.cached_prompt_tokens == len(shared)  # reads the shared entries like anyone
+    ids, read = decoder.generate(shared + list(b" more"), SamplingParams(max_tokens=8), private)
+    assert read.cached_prompt_tokens == 0 and ids == plain_greedy(model, shared + list(b" more"), 8)
     assert list(decoder.prefix_cache._entries) == held  # neither stored nor moved
+    assert decoder.generate(shared + list(b" more"), SamplingParams(max_tokens=8))[
+        1
+    ].cached_prompt_tokens == len(shared)  # a learning request reads it
 
 
 def test_the_bound_counts_every_position_an_entry_holds(tiny_model) -> None:
