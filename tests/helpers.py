@@ -6,6 +6,8 @@ import os
 import queue
 import random
 import re
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -225,3 +227,13 @@ def stream_once(grpc_url: str, text: str) -> list[str]:
     client.stop_stream()
     client.close()
     return parts
+
+
+def wait_until(condition: Callable[[], bool], timeout_s: float = 10.0) -> bool:
+    """Poll condition() until it holds (True) or timeout_s passes (False)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True

@@ -33,6 +33,7 @@ from lookahead.config import LookaheadConfig, SamplingParams, StructuredOutputs
 from lookahead.runtime.decoder import GenerationStats, StepOutput
 from lookahead.state.keeper import TrieKeeper
 from lookahead.state.persistence import load_trie
+from tests.helpers import wait_until
 
 LIMITS = RequestLimits(
     LookaheadConfig(decoding_length=16, branch_length=8), max_prompt_tokens=20, max_output_tokens=64
@@ -625,15 +626,6 @@ def test_a_failing_save_is_logged_and_retried(tmp_path):
     snapshots.save()
     assert snapshots.changed
     assert "Could not save the trie snapshot" in recorder.errors[0]
-
-
-def wait_until(condition, timeout_s: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
 
 
 def test_stop_words_and_debug_are_per_request_overrides():

@@ -13,6 +13,7 @@ import time
 from backend import launcher
 from backend.drain import DRAIN_ENV, Drain, watch_drain
 from backend.launcher import TritonServer
+from tests.helpers import wait_until
 
 # An instance's stand-in: drains (writes a marker) when asked, then lives until it gets SIGTERM.
 INSTANCE = """
@@ -73,19 +74,10 @@ def test_stop_drains_the_instances_before_it_signals_the_server(tmp_path):
         [sys.executable, "-c", INSTANCE, str(marker)],
         env={**os.environ, **drain.env, "PYTHONPATH": str(launcher.REPO_ROOT)},
     )
-    assert wait_until(lambda: drain.pending() == {process.pid})
+    assert wait_until(lambda: drain.pending() == {process.pid}, 30)
     server = TritonServer(
         process, http_port=0, grpc_port=0, metrics_port=0, log_file=tmp_path / "log", drain=drain
     )
     assert server.stop(timeout_s=30, signum=signal.SIGTERM) == 0
     assert marker.read_text() == "drained"
     assert not drain.folder.exists()  # removed once the server and its instances are gone
-
-
-def wait_until(condition, timeout_s: float = 30.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True

@@ -29,6 +29,7 @@ from lookahead.state.sync import (
     redacted,
 )
 from scripts.local_redis import RedisServer
+from tests.helpers import wait_until
 from tests.redis_server import require_redis_server, running_redis
 
 KEY = "test:trie:fp"
@@ -59,15 +60,6 @@ def as_fields(entry: dict[str, str]) -> dict[bytes, bytes]:
 def make_sync(url: str, log: Log, **kwargs) -> TrieSync:
     options = dict(vocab_size=VOCAB, max_tokens=100, max_entries=1000, log=log)
     return TrieSync(url, KEY, **{**options, **kwargs})
-
-
-def wait_until(condition, timeout_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
 
 
 def received_tokens(sync: TrieSync) -> list[list[int]]:
