@@ -38,7 +38,7 @@ CHILD_LIMIT per node, so one query costs O(budget) however large the tries are.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 from ..config import DECODING_MODES
@@ -65,6 +65,8 @@ class _Node(NamedTuple):
 # trie, in the shared trie, the index of the copy token that would follow it or -1). Built by the
 # hundred per query, so a plain tuple, always unpacked into these names.
 _Continuation = tuple[float, int, int, int, int]
+# Whether a request's grammar accepts a draft path (the tokens from below the root to a node).
+Admits = Callable[[tuple[int, ...]], bool]
 _NO_EVIDENCE = (NO_NODE, 0.0)
 
 
@@ -157,6 +159,7 @@ def retrieve_draft(
     stop_tokens: frozenset[int] = frozenset(),
     stop_words: frozenset[int] = frozenset(),
     min_prob: float = 0.0,
+    admits: Admits | None = None,
 ) -> Draft:
     """The draft to verify after `context`: at most `decoding_length` nodes (root included), depth
     at most `branch_length`, tokens[0] == context[-1]; the bare root when nothing matches.
@@ -193,9 +196,11 @@ def retrieve_draft(
         previous_counts = counts
         start = _Node(root, -1, 1.0, local_node, shared_node, 0, 0 if copy is not None else -1)
         if mode == "one":
-            nodes = _best_chain(view, start, query_len, depth_limit, stop_tokens, min_prob)
+            nodes = _best_chain(view, start, query_len, depth_limit, stop_tokens, min_prob, admits)
         else:
-            nodes = _best_first(view, start, query_len, decoding_length, depth_limit, stop_tokens, min_prob)
+            nodes = _best_first(
+                view, start, query_len, decoding_length, depth_limit, stop_tokens, min_prob, admits
+            )
         value = sum(node.prob for node in nodes)
         if value > best_value:
             best, best_value = _layout(nodes, mode, decoding_length), value
@@ -210,10 +215,12 @@ def _best_first(
     depth_limit: int,
     stop_tokens: frozenset[int],
     min_prob: float,
+    admits: Admits | None,
 ) -> list[_Node]:
     """The `budget` most probable nodes of the matched subtree (root included) of at least
-    `min_prob`, in selection order."""
+    `min_prob` whose paths `admits` admits, in selection order."""
     selected: list[_Node] = []
+    paths: list[tuple[int, ...]] = []  # each selected node's tokens from below the root
     # (-probability, push order, parent index, depth, continuation): a child becomes a node only
     # once it is selected, and most never are
     frontier: list[tuple[float, int, int, int, _Continuation | None]] = [(-1.0, 0, -1, 0, None)]
@@ -221,12 +228,16 @@ def _best_first(
     while frontier and len(selected) < budget:
         negative_prob, _, parent, depth, option = heapq.heappop(frontier)
         if option is None:
-            node = start
+            node, path = start, ()
         else:
             _, token, local_child, shared_child, copy_next = option
+            path = (*paths[parent], token)
+            if admits is not None and not admits(path):
+                continue  # neither it nor its subtree: the frontier's next best takes its place
             node = _Node(token, parent, -negative_prob, local_child, shared_child, depth, copy_next)
         index = len(selected)
         selected.append(node)
+        paths.append(path)
         if node.depth == depth_limit or len(selected) == budget or _ends_request(node, stop_tokens):
             continue
         for option in view.continuations(
@@ -247,17 +258,23 @@ def _best_chain(
     depth_limit: int,
     stop_tokens: frozenset[int],
     min_prob: float,
+    admits: Admits | None,
 ) -> list[_Node]:
-    """`one` mode: follow the most probable child at each level."""
+    """`one` mode: follow the most probable child (that `admits` admits) at each level."""
     chain = [start]
+    path: tuple[int, ...] = ()
     while chain[-1].depth < depth_limit and not _ends_request(chain[-1], stop_tokens):
         last = chain[-1]
         options = view.continuations(
             last.local_node, last.shared_node, query_len + last.depth, last.copy_index
         )
+        if admits is not None:  # the most probable child the grammar admits
+            ranked = sorted(options, key=lambda option: option[0], reverse=True)
+            options = next(([option] for option in ranked if admits((*path, option[1]))), [])
         if not options:
             break
         conditional, token, local_child, shared_child, copy_next = max(options, key=lambda option: option[0])
+        path = (*path, token)
         prob = last.prob * conditional
         if conditional <= 0.0 or prob < min_prob:
             break

@@ -214,9 +214,9 @@ class Generation:
             stop_tokens=self.stop_tokens,
             stop_words=self.stop_words,
             min_prob=min_prob,
+            # nodes the grammar forbids would only be rejected: search among those it admits
+            admits=self.selector.grammar.admits if self.selector.grammar is not None else None,
         )
-        if self.selector.grammar is not None:  # nodes the grammar forbids would only be rejected
-            draft = self.selector.grammar.prune(draft)
         self.stats.retrieval_seconds.append(time.perf_counter() - started)
         return draft
 

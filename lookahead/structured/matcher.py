@@ -2,11 +2,11 @@
 
 The matcher holds the state after the request's committed tokens; a draft node's state is that
 state advanced by the node's own path (the draft tokens from the root to it), never by another
-branch. `prune` drops the nodes the grammar forbids before the forward, `allowed` gives the
-tokens permitted after a path (every verified node's row, the bonus token's included), `commit`
-advances by what the request emitted. Paths are followed by rolling back to the longest common
-prefix and consuming the rest, so walking a tree in its depth-first order costs one consume and
-one rollback per node.
+branch. `admits` answers retrieval's search node by node (a node the grammar forbids is never
+drafted), `allowed` gives the tokens permitted after a path (every verified node's row, the bonus
+token's included), `commit` advances by what the request emitted. Paths are followed by rolling
+back to the longest common prefix and consuming the rest, so a question about a node next to the
+last one costs one rollback and one consume.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..algorithm.draft import Draft
 from .compiler import CompiledGrammar
 
 
@@ -42,24 +41,18 @@ class GrammarMatcher:
         self._path: list[int] = []  # draft tokens consumed beyond the committed ones
         self.stats = GrammarStats()
 
-    def prune(self, draft: Draft) -> Draft:
-        """The draft without the nodes the grammar forbids after their own path (and their subtrees)."""
+    def admits(self, path: Sequence[int]) -> bool:
+        """Whether the grammar accepts the draft path `path` after the committed tokens, every token
+        but the last already admitted (retrieval asks as it searches the draft tree)."""
         started = time.perf_counter()
-        paths: list[list[int] | None] = [[]] + [None] * (len(draft) - 1)
-        for node in range(1, len(draft)):
-            parent = paths[draft.parents[node]]
-            if parent is None:
-                continue
-            self._follow(parent)
-            if self._matcher.try_consume_tokens([draft.tokens[node]]) == 1:
-                self._path.append(draft.tokens[node])
-                paths[node] = self._path.copy()
-        self._follow([])
-        keep = [node for node, path in enumerate(paths) if path is not None]
-        self.stats.checked_nodes += len(draft) - 1
-        self.stats.pruned_nodes += len(draft) - len(keep)
+        self._follow(path[:-1])
+        admitted = self._matcher.try_consume_tokens([path[-1]]) == 1
+        if admitted:
+            self._path.append(path[-1])
+        self.stats.checked_nodes += 1
+        self.stats.pruned_nodes += not admitted
         self.stats.prune_seconds += time.perf_counter() - started
-        return draft if len(keep) == len(draft) else draft.subset(keep)
+        return admitted
 
     def allowed(self, path: Sequence[int], device: torch.device) -> torch.Tensor:
         """[vocab] bool: the tokens the grammar permits after the committed tokens and `path`."""

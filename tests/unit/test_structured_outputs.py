@@ -12,8 +12,9 @@ from transformers import AutoTokenizer
 
 from lookahead import LookaheadConfig, LookaheadDecoder, NGramTrie, SamplingParams
 from lookahead.algorithm.draft import Draft
+from lookahead.algorithm.retrieval import retrieve_draft
 from lookahead.benchmarks.json_extraction import json_extraction_prompts, schema_errors
-from lookahead.config import StructuredOutputs
+from lookahead.config import DECODING_MODES, StructuredOutputs
 from lookahead.models.embedded import prepare_default_model
 from lookahead.structured import GrammarCompiler, GrammarMatcher
 
@@ -98,17 +99,44 @@ def test_lookahead_under_a_grammar_emits_plain_constrained_decoding(peaky, token
     assert drafted.selector.grammar.stats.pruned_nodes > 0
 
 
-def test_prune_keeps_exactly_the_nodes_each_branch_allows(compiler, tokenizer) -> None:
+def test_each_draft_path_is_admitted_by_the_state_of_its_own_branch(compiler, tokenizer) -> None:
     spec = StructuredOutputs("choice", json.dumps(["yes!", "no?"]))
     matcher = GrammarMatcher(compiler.compile(spec), VOCAB)
     yes, no, bang, ask = (tokenizer.encode(t)[0] for t in ("yes", "no", "!", "?"))
     assert tokenizer.encode("yes!") == [yes, bang] and tokenizer.encode("no?") == [no, ask]
-    # root -> yes -> {!, ?}; root -> no -> {?, !}; root -> ! (forbidden, with its child)
-    draft = Draft([0, yes, bang, ask, no, ask, bang, bang, yes], [-1, 0, 1, 1, 0, 4, 4, 0, 7])
-    pruned = matcher.prune(draft)
-    assert pruned.tokens == [0, yes, bang, no, ask]
-    assert pruned.parents == [-1, 0, 1, 0, 3]
-    assert matcher.stats.pruned_nodes == 4
+    # asked in best-first order, jumping between branches as retrieval does
+    answers = [
+        matcher.admits(path)
+        for path in ((yes,), (no,), (bang,), (yes, ask), (no, ask), (yes, bang), (no, bang))
+    ]
+    assert answers == [True, True, False, False, True, True, False]
+    assert matcher.stats.checked_nodes == 7 and matcher.stats.pruned_nodes == 3
+
+
+def test_retrieval_drafts_what_the_grammar_admits_in_place_of_what_it_forbids(compiler, tokenizer) -> None:
+    spec = StructuredOutputs("choice", json.dumps(["yes!", "no?"]))
+    yes, no, bang, ask = (tokenizer.encode(t)[0] for t in ("yes", "no", "!", "?"))
+    trie = NGramTrie(capacity=1000, max_depth=4)
+    for _ in range(5):  # after token 3 the trie mostly saw "no!" (forbidden), once "yes!"
+        trie.insert([3, no, bang])
+    trie.insert([3, yes, bang])
+    for mode in DECODING_MODES:
+        blind = retrieve_draft([3], trie, None, decoding_length=3, branch_length=2, mode=mode)
+        assert blind.tokens[:3] == [3, no, bang]
+        matcher = GrammarMatcher(compiler.compile(spec), VOCAB)
+        drafted = retrieve_draft(
+            [3], trie, None, decoding_length=3, branch_length=2, mode=mode, admits=matcher.admits
+        )
+        expected = [3, no] if mode == "one" else [3, no, yes]  # `one` stops where no child is admitted
+        assert drafted.tokens == expected
+        assert all(matcher.admits(tuple(path)) for path in _draft_paths(drafted))
+
+
+def _draft_paths(draft: Draft) -> list[list[int]]:
+    paths: list[list[int]] = [[]]
+    for i in range(1, len(draft)):
+        paths.append([*paths[draft.parents[i]], draft.tokens[i]])
+    return paths[1:]
 
 
 def test_each_row_is_masked_with_the_state_of_its_own_branch(compiler, tokenizer) -> None:
