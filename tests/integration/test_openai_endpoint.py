@@ -238,7 +238,10 @@ def test_echo_with_logprobs_scores_the_prompts_tokens_first(client, tokenizer):
     assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None  # nothing precedes it
     assert all(lp <= 0 for lp in logprobs.token_logprobs[1:count])
     assert all(1 <= len(top) <= 3 for top in logprobs.top_logprobs[1:count])  # the token and the top 2
-    assert logprobs.token_logprobs[count:] == pytest.approx(plain.choices[0].logprobs.token_logprobs)
+    # the same tokens, their logprobs from other forwards (a scored prompt, or one from the prefix cache)
+    assert logprobs.token_logprobs[count:] == pytest.approx(
+        plain.choices[0].logprobs.token_logprobs, abs=1e-4
+    )
     assert logprobs.text_offset == [sum(len(t) for t in logprobs.tokens[:i]) for i in range(count + 8)]
     streamed = client.completions.create(
         model="lookahead", prompt=CODE, temperature=0, max_tokens=8, logprobs=2, echo=True, stream=True
