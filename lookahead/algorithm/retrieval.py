@@ -220,20 +220,22 @@ def _best_first(
     """The `budget` most probable nodes of the matched subtree (root included) of at least
     `min_prob` whose paths `admits` admits, in selection order."""
     selected: list[_Node] = []
-    paths: list[tuple[int, ...]] = []  # each selected node's tokens from below the root
+    paths: list[tuple[int, ...]] = []  # with `admits`: each selected node's tokens from below the root
     # (-probability, push order, parent index, depth, continuation): a child becomes a node only
     # once it is selected, and most never are
     frontier: list[tuple[float, int, int, int, _Continuation | None]] = [(-1.0, 0, -1, 0, None)]
     pushed = 1
     while frontier and len(selected) < budget:
         negative_prob, _, parent, depth, option = heapq.heappop(frontier)
+        path: tuple[int, ...] = ()
         if option is None:
-            node, path = start, ()
+            node = start
         else:
             _, token, local_child, shared_child, copy_next = option
-            path = (*paths[parent], token)
-            if admits is not None and not admits(path):
-                continue  # neither it nor its subtree: the frontier's next best takes its place
+            if admits is not None:
+                path = (*paths[parent], token)
+                if not admits(path):
+                    continue  # neither it nor its subtree: the frontier's next best takes its place
             node = _Node(token, parent, -negative_prob, local_child, shared_child, depth, copy_next)
         index = len(selected)
         selected.append(node)
