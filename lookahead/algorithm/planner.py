@@ -106,26 +106,35 @@ class CostModel:
 
 
 # Classes of draft nodes whose estimated probabilities mislead alike: the evidence (a copy of the
-# request's own text, or n-gram counts), the branch (the draft's best one, or a side branch) and
-# the estimated conditional probability itself, cut at these edges. Copies are reliable when
-# nearly certain and far too confident below that; n-gram estimates are close to the truth down
-# to about one half; side branches are taken far less often than their estimates say.
+# request's own text, or n-gram counts), the branch (the draft's best one, or a side branch), the
+# depth (a child of the root, which decides whether the right text was found at all, or a node
+# below one, which mostly follows once it was) and the estimated conditional probability itself, cut
+# at these edges. Copies are reliable when nearly certain and far too confident below that; n-gram
+# estimates are close to the truth down to about one half; side branches are taken far less often
+# than their estimates say.
 CONDITIONAL_EDGES = (0.5, 0.7, 0.9)
 _BUCKETS = len(CONDITIONAL_EDGES) + 1
-NODE_CLASSES = 2 * 2 * _BUCKETS
+NODE_CLASSES = 2 * 2 * 2 * _BUCKETS
+# The starting averages: the starting ratio over one predicted node, which the observed steps
+# replace at `rate` each.
+_PRIOR_EVIDENCE = 1.0
 
 
-def node_class(copied: bool, side: bool, conditional: float) -> int:
-    """The calibration class of a node (see CONDITIONAL_EDGES)."""
+def node_class(copied: bool, side: bool, conditional: float, deep: bool = False) -> int:
+    """The calibration class of a node (see CONDITIONAL_EDGES); `deep`: not a child of the root."""
     bucket = sum(conditional >= edge for edge in CONDITIONAL_EDGES)
-    return (2 * copied + side) * _BUCKETS + bucket
+    return ((2 * copied + side) * 2 + deep) * _BUCKETS + bucket
 
 
 @dataclass
 class Calibration:
-    """How far to trust each class of draft node (node_class): a ratio of accepted nodes to their
-    estimated conditional probabilities (of being accepted once their parent is), learned from
-    verified drafts.
+    """How far to trust each class of draft node (node_class): the ratio of accepted nodes to
+    their estimated conditional probabilities (of being accepted once their parent is), learned
+    from verified drafts.
+
+    Each class keeps moving averages of the nodes accepted and of the probabilities predicted
+    (both decay by `rate` per observed step), so every tested node weighs alike: a step that put
+    one node to the test does not count as much as one that tested eight.
 
     A node's calibrated weight, its chance of being accepted, is its parent's weight times its
     own ratio times its conditional probability (at most 1), so it never exceeds its parent's
@@ -133,22 +142,30 @@ class Calibration:
     request starts from it (`for_request`) and adapts faster to its own text.
     """
 
-    ratios: list[float] = field(default_factory=lambda: [1.0] * NODE_CLASSES)
+    hits: list[float] = field(default_factory=lambda: [_PRIOR_EVIDENCE] * NODE_CLASSES)
+    expected: list[float] = field(default_factory=lambda: [_PRIOR_EVIDENCE] * NODE_CLASSES)
     rate: float = _EMA
 
     @classmethod
     def uniform(cls, ratio: float, rate: float = _EMA) -> Calibration:
-        return cls([ratio] * NODE_CLASSES, rate)
+        return cls([ratio * _PRIOR_EVIDENCE] * NODE_CLASSES, [_PRIOR_EVIDENCE] * NODE_CLASSES, rate)
 
     def for_request(self, rate: float) -> Calibration:
         """A copy that learns at `rate`: one request's own calibration."""
-        return Calibration(list(self.ratios), rate)
+        return Calibration(list(self.hits), list(self.expected), rate)
+
+    @property
+    def ratios(self) -> list[float]:
+        """Accepted over predicted per class, within [MIN_CALIBRATION, 1]: estimates are upper
+        bounds, never inflated."""
+        return [h / e for h, e in zip(self.hits, self.expected)]
 
     def calibrated(self, draft: Draft) -> list[float]:
         """Each node's chance of being accepted: its parent's times its calibrated conditional."""
+        ratios = self.ratios
         weights = [1.0]
         for i, (cls, conditional) in enumerate(_classes(draft), start=1):
-            weights.append(weights[draft.parents[i]] * min(self.ratios[cls] * conditional, 1.0))
+            weights.append(weights[draft.parents[i]] * min(ratios[cls] * conditional, 1.0))
         return weights
 
     def observe(self, draft: Draft, accepted_nodes: list[int]) -> None:
@@ -163,22 +180,28 @@ class Calibration:
                 continue
             predicted[cls] += conditional
             hits[cls] += i in accepted
+        keep = 1.0 - self.rate
         for cls, expected in enumerate(predicted):
             if expected > 0:
-                sample = min(hits[cls] / expected, 1.0)  # estimates are upper bounds: never inflate
-                ratio = self.ratios[cls]
-                self.ratios[cls] = max(MIN_CALIBRATION, ratio + self.rate * (sample - ratio))
+                total = keep * self.expected[cls] + self.rate * expected
+                taken = keep * self.hits[cls] + self.rate * hits[cls]
+                # Kept within the ratio's bounds, so a run of misses or of hits is undone as fast
+                # as it was learned.
+                self.hits[cls] = min(max(taken, MIN_CALIBRATION * total), total)
+                self.expected[cls] = total
 
 
 def _classes(draft: Draft) -> list[tuple[int, float]]:
     """(class, conditional probability) of every node after the root."""
     first = draft.first_branch()
-    probs = draft.probs
+    probs, parents = draft.probs, draft.parents
     classes = []
     for i in range(1, len(draft)):
-        parent_prob = probs[draft.parents[i]]
+        parent = parents[i]
+        parent_prob = probs[parent]
         conditional = probs[i] / parent_prob if parent_prob > 0 else 0.0
-        classes.append((node_class(bool(draft.origins[i] & FROM_COPY), i > first, conditional), conditional))
+        copied = bool(draft.origins[i] & FROM_COPY)
+        classes.append((node_class(copied, i > first, conditional, deep=parent != 0), conditional))
     return classes
 
 

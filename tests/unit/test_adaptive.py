@@ -116,7 +116,7 @@ def test_side_branches_are_calibrated_apart_from_the_first() -> None:
     # a node is never weighted above its parent, so every plan stays a connected subtree
     distrusted_first = Calibration()
     for conditional in (0.0, 0.6, 0.8, 0.95):
-        distrusted_first.ratios[node_class(copied=False, side=False, conditional=conditional)] = 0.2
+        distrusted_first.hits[node_class(copied=False, side=False, conditional=conditional)] = 0.2
     weights = distrusted_first.calibrated(tree)
     assert weights[4] <= weights[1] == pytest.approx(0.2 * 0.9)
 
@@ -140,7 +140,42 @@ def test_a_request_calibration_starts_from_the_shared_one_and_learns_apart() -> 
     own = shared.for_request(rate=0.5)
     own.observe(chain([0.95]), accepted_nodes=[1])
     assert shared.ratios == [0.5] * NODE_CLASSES
-    assert own.ratios[node_class(False, False, 0.95)] == pytest.approx(0.75)
+    # accepted and predicted nodes, each a moving average: (0.5 x 0.5 + 0.5 x 1) / (0.5 x 1 + 0.5 x 0.95)
+    assert own.ratios[node_class(False, False, 0.95)] == pytest.approx(0.75 / 0.975)
+
+
+def test_every_tested_node_weighs_alike_in_the_calibration() -> None:
+    # A class whose one-node tests fail but whose eight-node tests all pass: 8 accepted of 9
+    # predicted, not the average of two steps' ratios (0 and 1).
+    calibration = Calibration()
+    short, long = chain([1.0, 0.5]), chain([1.0] * 8)
+    deep = node_class(copied=False, side=False, conditional=1.0, deep=True)
+    for _ in range(100):
+        calibration.observe(short, accepted_nodes=[1])  # the deep node 2 (conditional 0.5) fails
+        calibration.observe(long, accepted_nodes=list(range(1, 9)))
+    assert calibration.ratios[deep] == pytest.approx(1.0)
+    half = node_class(copied=False, side=False, conditional=0.5, deep=True)
+    assert calibration.ratios[half] == MIN_CALIBRATION
+    mixed = Calibration()
+    shallow = node_class(copied=False, side=False, conditional=1.0)
+    for _ in range(100):
+        mixed.observe(chain([1.0]), accepted_nodes=[])  # one node tested, rejected
+        mixed.observe(chain([1.0]), accepted_nodes=[1])
+    assert mixed.ratios[shallow] == pytest.approx(0.5, abs=0.06)
+
+
+def test_a_branch_first_node_is_calibrated_apart_from_the_nodes_below_it() -> None:
+    # The right text is often not found (the first node fails), but once it is, the copy goes on.
+    calibration = Calibration()
+    copy = Draft([0, 1, 2, 3], [-1, 0, 1, 2], [1.0, 0.95, 0.95, 0.95], [0, FROM_COPY, FROM_COPY, FROM_COPY])
+    for step in range(60):
+        calibration.observe(copy, accepted_nodes=[1, 2, 3] if step % 2 else [])
+    first = node_class(copied=True, side=False, conditional=1.0)
+    below = node_class(copied=True, side=False, conditional=1.0, deep=True)
+    assert calibration.ratios[first] == pytest.approx(0.5, abs=0.1)
+    assert calibration.ratios[below] == pytest.approx(1.0)
+    weights = calibration.calibrated(copy)  # the copy is certain once its first token is right
+    assert weights[3] == weights[2] == weights[1] == pytest.approx(calibration.ratios[first] * 0.95)
 
 
 def test_the_budget_goes_node_by_node_to_the_requests_whose_drafts_pay() -> None:
