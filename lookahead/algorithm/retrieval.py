@@ -234,17 +234,16 @@ def _best_first(
             _, token, local_child, shared_child, copy_next = option
             if admits is not None:
                 path = (*paths[parent], token)
-                if not admits(path):
-                    continue  # neither it nor its subtree: the frontier's next best takes its place
             node = _Node(token, parent, -negative_prob, local_child, shared_child, depth, copy_next)
         index = len(selected)
         selected.append(node)
         paths.append(path)
         if node.depth == depth_limit or len(selected) == budget or _ends_request(node, stop_tokens):
             continue
-        for option in view.continuations(
-            node.local_node, node.shared_node, query_len + node.depth, node.copy_index
-        ):
+        options = view.continuations(node.local_node, node.shared_node, query_len + node.depth, node.copy_index)
+        if admits is not None:
+            options = _admitted(options, path, admits)
+        for option in options:
             conditional = option[0]
             child_prob = node.prob * conditional
             if child_prob > 0.0 and child_prob >= min_prob:
@@ -271,8 +270,7 @@ def _best_chain(
             last.local_node, last.shared_node, query_len + last.depth, last.copy_index
         )
         if admits is not None:  # the most probable child the grammar admits
-            ranked = sorted(options, key=lambda option: option[0], reverse=True)
-            options = next(([option] for option in ranked if admits((*path, option[1]))), [])
+            options = _admitted(options, path, admits, first_only=True)
         if not options:
             break
         conditional, token, local_child, shared_child, copy_next = max(options, key=lambda option: option[0])
@@ -282,6 +280,27 @@ def _best_chain(
             break
         chain.append(_Node(token, len(chain) - 1, prob, local_child, shared_child, last.depth + 1, copy_next))
     return chain
+
+
+def _admitted(
+    options: list[_Continuation], path: tuple[int, ...], admits: Admits, first_only: bool = False
+) -> list[_Continuation]:
+    """The continuations the grammar admits after `path` (the most probable one alone with
+    `first_only`), their conditionals divided by the probability left once the refused ones are
+    ruled out: the model can take none of those, so retrieval's estimate, conditioned on the
+    grammar, moves to what remains."""
+    kept, refused = [], 0.0
+    for option in sorted(options, key=lambda option: option[0], reverse=True):
+        if admits((*path, option[1])):
+            kept.append(option)
+            if first_only:
+                break
+        else:
+            refused += option[0]
+    if refused <= 0.0:
+        return kept
+    left = max(1.0 - refused, 1e-9)
+    return [(min(1.0, option[0] / left), *option[1:]) for option in kept]
 
 
 def _ends_request(node: _Node, stop_tokens: frozenset[int]) -> bool:

@@ -132,6 +132,27 @@ def test_retrieval_drafts_what_the_grammar_admits_in_place_of_what_it_forbids(co
         assert all(matcher.admits(tuple(path)) for path in _draft_paths(drafted))
 
 
+def test_retrieval_conditions_its_estimates_on_the_grammar(compiler, tokenizer) -> None:
+    # The trie mostly saw "no" after token 3, once "yes"; the grammar allows only "yes!". The
+    # model cannot say "no", so "yes" gets the estimate conditioned on that: p(yes) / (1 - p(no)).
+    spec = StructuredOutputs("choice", json.dumps(["yes!"]))
+    yes, no, bang = (tokenizer.encode(t)[0] for t in ("yes", "no", "!"))
+    trie = NGramTrie(capacity=1000, max_depth=4)
+    for _ in range(5):
+        trie.insert([3, no, bang])
+    trie.insert([3, yes, bang])
+    blind = retrieve_draft([3], trie, None, decoding_length=4, branch_length=1, mode="hier")
+    p_no, p_yes = blind.probs[blind.tokens.index(no)], blind.probs[blind.tokens.index(yes)]
+    assert p_no > 0.5 > p_yes > 0
+    for mode in DECODING_MODES:
+        matcher = GrammarMatcher(compiler.compile(spec), VOCAB)
+        drafted = retrieve_draft(
+            [3], trie, None, decoding_length=4, branch_length=1, mode=mode, admits=matcher.admits
+        )
+        assert drafted.tokens == [3, yes]
+        assert drafted.probs[1] == pytest.approx(p_yes / (1 - p_no))
+
+
 def _draft_paths(draft: Draft) -> list[list[int]]:
     paths: list[list[int]] = [[]]
     for i in range(1, len(draft)):
