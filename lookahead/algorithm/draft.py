@@ -14,8 +14,13 @@ import numpy as np
 import torch
 
 # Bits of Draft.origins: the evidence a node was drafted from (one node may have several).
-FROM_COPY, FROM_REQUEST_TRIE, FROM_SHARED_TRIE = 1, 2, 4
-ORIGIN_NAMES = {FROM_COPY: "copy", FROM_REQUEST_TRIE: "request trie", FROM_SHARED_TRIE: "shared trie"}
+FROM_COPY, FROM_REQUEST_TRIE, FROM_SHARED_TRIE, FROM_GRAMMAR = 1, 2, 4, 8
+ORIGIN_NAMES = {
+    FROM_COPY: "copy",
+    FROM_REQUEST_TRIE: "request trie",
+    FROM_SHARED_TRIE: "shared trie",
+    FROM_GRAMMAR: "grammar",
+}
 
 
 @dataclass
@@ -44,6 +49,18 @@ class Draft:
     def root_only(cls, token: int) -> Draft:
         """The degenerate draft: plain decoding of one token."""
         return cls([token], [-1], [1.0])
+
+    @classmethod
+    def below_chain(cls, root: int, chain: list[int], origin: int, tail: Draft) -> Draft:
+        """`chain` below `root` (each node certain, drafted from `origin`), then `tail`'s nodes below
+        the chain's last one, whose token is `tail`'s root."""
+        n = len(chain)
+        return cls(
+            [root, *chain, *tail.tokens[1:]],
+            [-1, *range(n), *(parent + n for parent in tail.parents[1:])],
+            [1.0] * (n + 1) + tail.probs[1:],
+            [0, *[origin] * n, *tail.origins[1:]],
+        )
 
     def __len__(self) -> int:
         return len(self.tokens)

@@ -240,7 +240,9 @@ def _best_first(
         paths.append(path)
         if node.depth == depth_limit or len(selected) == budget or _ends_request(node, stop_tokens):
             continue
-        options = view.continuations(node.local_node, node.shared_node, query_len + node.depth, node.copy_index)
+        options = view.continuations(
+            node.local_node, node.shared_node, query_len + node.depth, node.copy_index
+        )
         if admits is not None:
             options = _admitted(options, path, admits)
         for option in options:

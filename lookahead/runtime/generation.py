@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..algorithm.draft import Draft
+from ..algorithm.draft import FROM_GRAMMAR, Draft
 from ..algorithm.planner import Calibration
 from ..algorithm.retrieval import retrieve_draft
 from ..algorithm.spans import SpanIndex
@@ -202,23 +202,42 @@ class Generation:
         if not self.config.drafting or depth <= 0:
             return Draft.root_only(root)
         started = time.perf_counter()
-        draft = retrieve_draft(
-            self.ids[-self.config.max_query_length :],
+        width = min(self.config.decoding_length, max_width)
+        grammar = self.selector.grammar
+        # Text the grammar fixes next is drafted as certain, and retrieval goes on after it.
+        forced = grammar.forced()[: min(depth, width - 1)] if grammar is not None else []
+        draft = self._retrieve(forced, width - len(forced), depth - len(forced), min_prob)
+        if forced:
+            draft = Draft.below_chain(root, forced, FROM_GRAMMAR, draft)
+        self.stats.retrieval_seconds.append(time.perf_counter() - started)
+        return draft
+
+    def _retrieve(self, after: list[int], width: int, depth: int, min_prob: float) -> Draft:
+        """retrieve_draft after the request's text and `after`, tokens drafted ahead of it (where
+        no copy of the request's own text goes on)."""
+        query = self.config.max_query_length
+        context = [*self.ids[-query:], *after][-query:]
+        if width <= 1 or depth <= 0:
+            return Draft.root_only(context[-1])
+        grammar = self.selector.grammar
+        admits = None
+        if grammar is not None:
+            # nodes the grammar forbids would only be rejected: search among those it admits
+            admits = (lambda path: grammar.admits((*after, *path))) if after else grammar.admits
+        return retrieve_draft(
+            context,
             self.local,
             self.shared.trie,
-            decoding_length=min(self.config.decoding_length, max_width),
+            decoding_length=width,
             branch_length=depth,
             mode=self.config.decoding_mode,
-            max_query_length=self.config.max_query_length,
-            copy=self.spans.continuation(depth),
+            max_query_length=query,
+            copy=None if after else self.spans.continuation(depth),
             stop_tokens=self.stop_tokens,
             stop_words=self.stop_words,
             min_prob=min_prob,
-            # nodes the grammar forbids would only be rejected: search among those it admits
-            admits=self.selector.grammar.admits if self.selector.grammar is not None else None,
+            admits=admits,
         )
-        self.stats.retrieval_seconds.append(time.perf_counter() - started)
-        return draft
 
     def record_verdict(self, draft: Draft, verdict: Verdict) -> None:
         """Count the draft's fed and accepted tokens, and calibrate its probabilities against them."""

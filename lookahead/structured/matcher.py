@@ -3,10 +3,11 @@
 The matcher holds the state after the request's committed tokens; a draft node's state is that
 state advanced by the node's own path (the draft tokens from the root to it), never by another
 branch. `admits` answers retrieval's search node by node (a node the grammar forbids is never
-drafted), `allowed` gives the tokens permitted after a path (every verified node's row, the bonus
-token's included), `commit` advances by what the request emitted. Paths are followed by rolling
-back to the longest common prefix and consuming the rest, so a question about a node next to the
-last one costs one rollback and one consume.
+drafted), `forced` gives the text the grammar fixes next (drafted as certain), `allowed` the
+tokens permitted after a path (every verified node's row, the bonus token's included), `commit`
+advances by what the request emitted. Paths are followed by rolling back to the longest common
+prefix and consuming the rest, so a question about a node next to the last one costs one
+rollback and one consume.
 """
 
 from __future__ import annotations
@@ -53,6 +54,14 @@ class GrammarMatcher:
         self.stats.pruned_nodes += not admitted
         self.stats.prune_seconds += time.perf_counter() - started
         return admitted
+
+    def forced(self) -> list[int]:
+        """The tokens the grammar forces after the committed ones, in the tokenizer's canonical
+        split of the forced text (the model may split it otherwise: they are drafts, verified)."""
+        self._follow([])
+        if self._matcher.is_stopped():
+            return []
+        return list(self._matcher.compute_ff_tokens())
 
     def allowed(self, path: Sequence[int], device: torch.device) -> torch.Tensor:
         """[vocab] bool: the tokens the grammar permits after the committed tokens and `path`."""

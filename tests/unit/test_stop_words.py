@@ -45,7 +45,7 @@ def test_draft_nodes_say_where_they_came_from() -> None:
     assert by_token[4] == FROM_COPY | FROM_SHARED_TRIE
     assert by_token[9] == FROM_COPY
     assert by_token[5] == FROM_SHARED_TRIE
-    assert draft.origin_counts() == {"copy": 3, "request trie": 0, "shared trie": 2}
+    assert draft.origin_counts() == {"copy": 3, "request trie": 0, "shared trie": 2, "grammar": 0}
 
 
 def test_decoding_with_stop_words_is_lossless_and_learns_no_output_ngram_at_them(

@@ -11,7 +11,7 @@ import torch
 from transformers import AutoTokenizer
 
 from lookahead import LookaheadConfig, LookaheadDecoder, NGramTrie, SamplingParams
-from lookahead.algorithm.draft import Draft
+from lookahead.algorithm.draft import FROM_GRAMMAR, Draft
 from lookahead.algorithm.retrieval import retrieve_draft
 from lookahead.benchmarks.json_extraction import json_extraction_prompts, schema_errors
 from lookahead.config import DECODING_MODES, StructuredOutputs
@@ -79,7 +79,9 @@ def run(decoder: LookaheadDecoder, prompt: list[int], params: SamplingParams, lo
 
 @pytest.mark.parametrize("kind", list(CONSTRAINTS))
 @pytest.mark.parametrize("sampling", [{}, {"temperature": 0.9, "seed": 3}], ids=["greedy", "seeded"])
-def test_lookahead_under_a_grammar_emits_plain_constrained_decoding(peaky, tokenizer, kind, sampling) -> None:
+def test_lookahead_under_a_grammar_emits_plain_constrained_decoding(
+    peaky, tokenizer, compiler, kind, sampling
+) -> None:
     prompt = tokenizer.encode("Answer: ")
     params = SamplingParams(max_tokens=40, structured_outputs=CONSTRAINTS[kind], **sampling)
     eos = (tokenizer.eos_token_id,)
@@ -87,9 +89,12 @@ def test_lookahead_under_a_grammar_emits_plain_constrained_decoding(peaky, token
     decoder = LookaheadDecoder(peaky, tokenizer, trie, LookaheadConfig(adaptive=False), eos)
     plain = run(decoder, prompt, params, LookaheadConfig(use_lookahead=False))
     assert plain.finish_reason == "stop", tokenizer.decode(plain.output_ids)
-    # Drafts: the model's own constrained output (accepted) and branches the grammar forbids.
-    for noise in ([11, 12, 13], tokenizer.encode(" nope {]"), [plain.output_ids[0], 7, 7]):
-        trie.insert(prompt[-3:] + noise)
+    # Drafts: the model's own constrained output (accepted) and branches the grammar forbids,
+    # where retrieval looks: after the prompt, and after the text the grammar forces first.
+    forced = GrammarMatcher(compiler.compile(CONSTRAINTS[kind]), VOCAB).forced()
+    for context in {tuple(prompt[-3:]), tuple((prompt + forced)[-3:])}:
+        for noise in ([11, 12, 13], tokenizer.encode(" nope {]"), [plain.output_ids[0], 7, 7]):
+            trie.insert([*context, *noise])
     trie.insert(prompt[-3:] + plain.output_ids)
     drafted = run(decoder, prompt, params)
     assert drafted.output_ids == plain.output_ids
@@ -130,6 +135,23 @@ def test_retrieval_drafts_what_the_grammar_admits_in_place_of_what_it_forbids(co
         expected = [3, no] if mode == "one" else [3, no, yes]  # `one` stops where no child is admitted
         assert drafted.tokens == expected
         assert all(matcher.admits(tuple(path)) for path in _draft_paths(drafted))
+
+
+def test_text_the_grammar_forces_is_drafted_as_certain_with_an_empty_trie(peaky, tokenizer, compiler) -> None:
+    spec = CONSTRAINTS["json"]
+    forced = GrammarMatcher(compiler.compile(spec), VOCAB).forced()
+    assert tokenizer.decode(forced) == '{"color":"'
+    prompt = tokenizer.encode("Answer: ")
+    params = SamplingParams(max_tokens=40, structured_outputs=spec)
+    eos = (tokenizer.eos_token_id,)
+    decoder = LookaheadDecoder(peaky, tokenizer, NGramTrie(100_000, 12), LookaheadConfig(adaptive=False), eos)
+    draft = decoder.start(prompt, params).retrieve(max_width=16)
+    assert draft.tokens == [prompt[-1], *forced]  # nothing learned yet: the grammar's text alone
+    assert draft.origins[1:] == [FROM_GRAMMAR] * len(forced) and draft.probs == [1.0] * len(draft)
+    plain = run(decoder, prompt, params, LookaheadConfig(use_lookahead=False))
+    drafted = run(decoder, prompt, params)
+    assert drafted.output_ids == plain.output_ids
+    assert conforms("json", tokenizer.decode(drafted.output_ids, skip_special_tokens=True))
 
 
 def test_retrieval_conditions_its_estimates_on_the_grammar(compiler, tokenizer) -> None:
