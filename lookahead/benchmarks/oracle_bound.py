@@ -5,15 +5,16 @@ template, `ignore_eos`, `--max-tokens`), then an oracle that knows each output: 
 drafts exactly the longest run of the coming tokens (at most 31) that followed an earlier
 occurrence of the last token, in the request's own prompt and output so far (`own text`), or also
 in every earlier request's text (`shared`, as the global trie learns it), and nothing else. A step
-is priced with the kernel variant's measured forward-cost curve (lookahead/cpu/cost_priors.py), and
-drafting costs nothing: only the forward counts. At concurrency c, groups of c requests step
-together (the next request taking a finished one's place): a step costs cost(sum of their
-widths) where plain decoding pays cost(c) for c tokens, and the oracle caps the runs at the length
-that makes the step cheapest per token.
+is priced with the measured forward-cost curve of the path the model runs on (the packed kernel's
+variant; under `scripts/as_avx2.sh`, AVX2's), and drafting costs nothing: only the forward counts.
+At concurrency c, groups of c requests step together (the next request taking a finished one's
+place): a step costs cost(sum of their widths) where plain decoding pays cost(c) for c tokens, and
+the oracle caps the runs at the length that makes the step cheapest per token.
 
 No real drafter knows the output, so what lookahead reaches lies below these ratios.
 
     python -m scripts.bench_oracle --prompt-set code_edit --prompts 16
+    scripts/as_avx2.sh .venv/bin/python -m scripts.bench_oracle --prompt-set code_edit --prompts 16
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ import argparse
 from collections import defaultdict
 from collections.abc import Sequence
 
+from ..algorithm.planner import STOCK_CPU_PRIOR
 from ..config import DecoderConfig, LookaheadConfig, SamplingParams
-from ..cpu.cost_priors import PRIORS
 from ..models.chat import chat_prompt
 from ..models.embedded import DEFAULT_MODEL
 from ..models.loading import load_model
@@ -100,7 +101,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--concurrency", default="1,2,4,8")
-    parser.add_argument("--variant", default="avx512", choices=sorted(PRIORS))
     args = parser.parse_args(argv)
     loaded = load_model(args.model)
     tokenizer = loaded.tokenizer
@@ -117,10 +117,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         while not generation.finished:
             generation.step()
         requests.append((prompt, generation.output_ids))
-    curve = PRIORS[args.variant]
+    curve = loaded.cost_prior or STOCK_CPU_PRIOR
     own = [best_runs(prompt, output, []) for prompt, output in requests]
     shared = [best_runs(p, o, [[*q, *r] for q, r in requests[:i]]) for i, (p, o) in enumerate(requests)]
-    print(f"{args.prompt_set}, {len(requests)} prompts, {args.max_tokens} tokens, {args.variant} cost curve")
+    print(f"{args.prompt_set}, {len(requests)} prompts, {args.max_tokens} tokens, {loaded.execution}")
     print("concurrency | oracle on own text (x plain) | oracle on own and earlier text (x plain)")
     for level in (int(c) for c in args.concurrency.split(",")):
         bounds = oracle_ratio(own, level, curve), oracle_ratio(shared, level, curve)
