@@ -25,6 +25,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator, Sequence
@@ -166,6 +167,12 @@ def genai_perf_command(
     ]
 
 
+# perf_analyzer 2.50 now and then exits 0 leaving its export empty, and genai-perf then fails to
+# read it with this error; such a point is measured again, on the same requests.
+EMPTY_EXPORT = "Input is a zero-length, empty document"
+EXPORT_ATTEMPTS = 3
+
+
 def run_point(args: argparse.Namespace, model: str, url: str, concurrency: int, shim: Path) -> GenaiPerfPoint:
     out = args.out / f"{model}_c{concurrency}"
     tokenizer = served_tokenizer(args.model_repository, model)
@@ -177,9 +184,17 @@ def run_point(args: argparse.Namespace, model: str, url: str, concurrency: int, 
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",
     }
-    finished = subprocess.run(command, capture_output=True, text=True, env=env, cwd=args.out)
     log = args.out / f"genai_perf_{model}_c{concurrency}.log"
-    log.write_text(" ".join(command) + "\n" + finished.stdout + finished.stderr, encoding="utf-8")
+    for attempt in range(1, EXPORT_ATTEMPTS + 1):
+        finished = subprocess.run(command, capture_output=True, text=True, env=env, cwd=args.out)
+        log.write_text(" ".join(command) + "\n" + finished.stdout + finished.stderr, encoding="utf-8")
+        if finished.returncode == 0 or EMPTY_EXPORT not in finished.stdout + finished.stderr:
+            break
+        if attempt < EXPORT_ATTEMPTS:
+            print(
+                f"perf_analyzer left its export empty; {model} at concurrency {concurrency} again", flush=True
+            )
+            shutil.rmtree(out, ignore_errors=True)
     if finished.returncode != 0:
         tail = "\n".join((finished.stdout + finished.stderr).splitlines()[-15:])
         raise LoadTestError(f"genai-perf exited with {finished.returncode} (log {log}):\n{tail}")
