@@ -41,10 +41,9 @@ from types import FrameType, TracebackType
 
 from backend.drain import Drain
 from frontend.process import Frontend, FrontendError, start_frontend
+from lookahead.contract import MODEL_ENV, SYNC_ENV
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-MODEL_ENV = "LOOKAHEAD_MODEL"  # read by backend/config.py in every model instance
-SYNC_ENV = "LOOKAHEAD_TRIE_SYNC"  # likewise: every model's trie_sync
 BACKENDS_CACHE = REPO_ROOT / ".cache" / "triton_backends"
 LOGS_DIR = REPO_ROOT / ".cache" / "logs"
 _STUB = "triton_python_backend_stub"

@@ -97,7 +97,7 @@ def served_tokenizer(model_repository: Path, model: str) -> Path:
     """The local folder holding the tokenizer `model` serves with (its converted embedded model or
     the folder named by its config.pbtxt `model` parameter, or by $LOOKAHEAD_MODEL, which replaces
     it in the server as well)."""
-    from backend.launcher import MODEL_ENV
+    from lookahead.contract import MODEL_ENV
     from lookahead.models.loading import resolve_model_path
 
     name = os.environ.get(MODEL_ENV, "").strip()

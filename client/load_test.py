@@ -39,10 +39,10 @@ from typing import Any
 
 import numpy as np
 
-from backend.config import STATE_DIR_ENV
 from backend.launcher import TritonServerError, free_port, start_server
 from client.ab_repository import SHARED_CACHE_ENV
 from lookahead.benchmarks.prompt_sets import PROMPT_SET_NAMES, load_prompt_set
+from lookahead.contract import STATE_DIR_ENV
 from lookahead.models.chat import chat_prompt
 from lookahead.models.embedded import DEFAULT_MODEL
 from lookahead.models.loading import load_tokenizer

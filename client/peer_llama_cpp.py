@@ -287,8 +287,8 @@ def _triton(args: argparse.Namespace) -> Iterator[str]:
     if args.url:
         yield args.url
         return
-    from backend.config import STATE_DIR_ENV
     from backend.launcher import free_port, start_server
+    from lookahead.contract import STATE_DIR_ENV
 
     state = args.out / "trie_state"
     shutil.rmtree(state, ignore_errors=True)  # empty tries: every run starts cold

@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from backend.request import LOOKAHEAD_OVERRIDES
+from lookahead.contract import LOOKAHEAD_OVERRIDES
 
 # OpenAI fields sent on as sampling_parameters under the same name.
 _OPENAI_SAMPLING = (

@@ -11,8 +11,9 @@ import threading
 import time
 
 from backend import launcher
-from backend.drain import DRAIN_ENV, Drain, watch_drain
+from backend.drain import Drain, watch_drain
 from backend.launcher import TritonServer
+from lookahead.contract import DRAIN_ENV
 from tests.helpers import wait_until
 
 # An instance's stand-in: drains (writes a marker) when asked, then lives until it gets SIGTERM.

@@ -11,6 +11,7 @@ import pytest
 
 from backend import launcher
 from backend.launcher import TritonServerError, assemble_backend_directory, free_port, start_server
+from lookahead.contract import MODEL_ENV
 from tests.helpers import write_toy_repository
 
 
@@ -121,6 +122,6 @@ def test_an_unknown_model_stops_the_launcher_before_any_server_starts(
     capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(launcher, "start_server", lambda *a, **k: pytest.fail("a server was started"))
-    monkeypatch.setenv(launcher.MODEL_ENV, "no-such-model")
+    monkeypatch.setenv(MODEL_ENV, "no-such-model")
     assert launcher.main(["--http-port", str(free_port())]) == 2
     assert "error: --model 'no-such-model' is neither an embedded model" in capsys.readouterr().err
