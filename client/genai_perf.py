@@ -34,8 +34,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from backend.launcher import TritonServerError, free_port
-from frontend.process import FrontendError, start_frontend
+from launcher.frontend import FrontendError, start_frontend
+from launcher.tritonserver import TritonServerError, free_port
 
 from .load_test import MODELS, REPO_ROOT, LoadTestError, parse_concurrency, server_url, write_csv
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from backend import launcher
-from backend.launcher import TritonServerError, free_port, start_server
+from launcher import tritonserver as launcher
+from launcher.tritonserver import TritonServerError, free_port, start_server
 from tests.helpers import stream_once, write_toy_repository
 
 
@@ -39,7 +39,7 @@ def test_a_model_that_fails_to_load_is_reported_with_the_log_tail(tmp_path: Path
 def test_the_launcher_serves_the_openai_endpoint_beside_tritonserver_and_stops_both(tmp_path: Path) -> None:
     repository = write_toy_repository(tmp_path, tmp_path / "finalized")
     openai_port = free_port()
-    command = [sys.executable, "-m", "backend.launcher", "--model-repository", str(repository)]
+    command = [sys.executable, "-m", "launcher", "--model-repository", str(repository)]
     command += ["--log-file", str(tmp_path / "server.log"), "--openai-port", str(openai_port)]
     for flag in ("--http-port", "--grpc-port", "--metrics-port"):
         command += [flag, str(free_port())]

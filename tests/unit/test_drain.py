@@ -10,9 +10,9 @@ import sys
 import threading
 import time
 
-from backend import launcher
 from backend.drain import Drain, watch_drain
-from backend.launcher import TritonServer
+from launcher import tritonserver as launcher
+from launcher.tritonserver import TritonServer
 from lookahead.contract import DRAIN_ENV
 from tests.helpers import wait_until
 

@@ -9,8 +9,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from backend import launcher
-from backend.launcher import TritonServerError, assemble_backend_directory, free_port, start_server
+from launcher import tritonserver as launcher
+from launcher.tritonserver import TritonServerError, assemble_backend_directory, free_port, start_server
 from lookahead.contract import MODEL_ENV
 from tests.helpers import write_toy_repository
 

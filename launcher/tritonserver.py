@@ -9,9 +9,9 @@ starts an isolated interpreter (PYTHONPATH is ignored) whose sys.prefix comes fr
 `python3` on the PATH: so this environment's bin/ goes first on the PATH, and the project itself
 reaches the stub through the environment's site-packages (scripts/bootstrap.sh installs it there).
 
-    python -m backend.launcher --model-repository model_repository --http-port 8000
-    python -m backend.launcher --model qwen2.5-coder-0.5b-instruct   # every model serves the Qwen model
-    python -m backend.launcher --openai-port 9000   # and the OpenAI-compatible endpoint (frontend/)
+    python -m launcher --model-repository model_repository --http-port 8000
+    python -m launcher --model qwen2.5-coder-0.5b-instruct   # every model serves the Qwen model
+    python -m launcher --openai-port 9000   # and the OpenAI-compatible endpoint (frontend/)
 
 `--model` (or $LOOKAHEAD_MODEL) replaces the `model` parameter of every model in the repository
 (a folder as an absolute path); it is prepared here before tritonserver starts (an embedded one
@@ -40,7 +40,7 @@ from pathlib import Path
 from types import FrameType, TracebackType
 
 from backend.drain import Drain
-from frontend.process import Frontend, FrontendError, start_frontend
+from launcher.frontend import Frontend, FrontendError, start_frontend
 from lookahead.contract import MODEL_ENV, SYNC_ENV
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -371,7 +371,7 @@ def _follow(path: Path, offset: int, stop: threading.Event) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m backend.launcher",
+        prog="python -m launcher",
         description="Serve a model repository with tritonserver (the Python backend included).",
         epilog="Arguments after -- go to tritonserver unchanged, e.g. -- --log-verbose=1",
     )

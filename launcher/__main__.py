@@ -1,0 +1,3 @@
+from launcher.tritonserver import main
+
+raise SystemExit(main())
