@@ -34,8 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from launcher.frontend import FrontendError, start_frontend
-from launcher.tritonserver import TritonServerError, free_port
+from launcher import FrontendError, TritonServerError, free_port, start_frontend
 
 from .load_test import MODELS, REPO_ROOT, LoadTestError, parse_concurrency, server_url, write_csv
 

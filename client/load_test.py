@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 
 from client.ab_repository import SHARED_CACHE_ENV
-from launcher.tritonserver import TritonServerError, free_port, start_server
+from launcher import TritonServerError, free_port, start_server
 from lookahead.benchmarks.prompt_sets import PROMPT_SET_NAMES, load_prompt_set
 from lookahead.contract import STATE_DIR_ENV
 from lookahead.models.chat import chat_prompt

@@ -236,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 1
     args.out.mkdir(parents=True, exist_ok=True)
-    from launcher.tritonserver import free_port
+    from launcher import free_port
 
     prompts = chat_prompts(args.prompts)
     runs: list[Run] = []
@@ -287,7 +287,7 @@ def _triton(args: argparse.Namespace) -> Iterator[str]:
     if args.url:
         yield args.url
         return
-    from launcher.tritonserver import free_port, start_server
+    from launcher import free_port, start_server
     from lookahead.contract import STATE_DIR_ENV
 
     state = args.out / "trie_state"

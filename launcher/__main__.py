@@ -1,3 +1,3 @@
-from launcher.tritonserver import main
+from launcher.cli import main
 
 raise SystemExit(main())

@@ -5,74 +5,27 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
-import urllib.error
-import urllib.request
 from pathlib import Path
-from types import TracebackType
+
+from .process import ManagedProcess, ProcessError
 
 
-class FrontendError(RuntimeError):
+class FrontendError(ProcessError):
     """The endpoint exited or did not become ready."""
 
 
-class Frontend:
+class Frontend(ManagedProcess):
+    name = "the OpenAI endpoint"
+    error = FrontendError
+
     def __init__(self, process: subprocess.Popen, port: int, log_file: Path | None):
-        self.process = process
+        super().__init__(process, log_file, f"http://127.0.0.1:{port}/health")
         self.port = port
-        self.log_file = log_file
 
     @property
     def url(self) -> str:
         """The base URL an OpenAI client takes."""
         return f"http://localhost:{self.port}/v1"
-
-    def is_ready(self) -> bool:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2) as reply:
-                return reply.status == 200
-        except (urllib.error.URLError, OSError):
-            return False
-
-    def wait_ready(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while not self.is_ready():
-            if self.process.poll() is not None:
-                raise FrontendError(
-                    f"the OpenAI endpoint exited with code {self.process.returncode}{self._log()}"
-                )
-            if time.monotonic() > deadline:
-                self.stop()
-                raise FrontendError(f"the OpenAI endpoint was not ready after {timeout_s:.0f} s{self._log()}")
-            time.sleep(0.25)
-
-    def _log(self) -> str:
-        if self.log_file is None:
-            return ""
-        try:
-            return f"; log {self.log_file}:\n" + "\n".join(
-                self.log_file.read_text(errors="replace").splitlines()[-20:]
-            )
-        except OSError:
-            return ""
-
-    def stop(self, timeout_s: float = 15.0) -> int:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        return self.process.returncode
-
-    def __enter__(self) -> Frontend:
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.stop()
 
 
 def start_frontend(

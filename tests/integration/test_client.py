@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from client import Completion, LookaheadClient
-from launcher.tritonserver import TritonServer, free_port, start_server
+from launcher import TritonServer, free_port, start_server
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 

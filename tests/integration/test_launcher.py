@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from launcher import tritonserver as launcher
-from launcher.tritonserver import TritonServerError, free_port, start_server
+from launcher import TritonServerError, free_port, start_server
+from launcher.tritonserver import REPO_ROOT
 from tests.helpers import stream_once, write_toy_repository
 
 
@@ -22,7 +22,7 @@ def test_server_streams_from_a_decoupled_model_and_finalizes_on_stop(tmp_path: P
     ports = {"http_port": free_port(), "grpc_port": free_port(), "metrics_port": free_port()}
     with start_server(repository, log_file=tmp_path / "server.log", ready_timeout_s=120, **ports) as server:
         assert server.is_ready()
-        assert stream_once(server.grpc_url, "hello") == ["hello", "from", str(launcher.REPO_ROOT)]
+        assert stream_once(server.grpc_url, "hello") == ["hello", "from", str(REPO_ROOT)]
         assert not marker.exists()
     assert server.process.returncode == 0
     assert marker.read_text() == "finalized"

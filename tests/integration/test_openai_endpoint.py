@@ -17,8 +17,7 @@ import openai
 import pytest
 import tritonclient.grpc as grpcclient
 
-from launcher.frontend import Frontend, start_frontend
-from launcher.tritonserver import TritonServer, free_port
+from launcher import Frontend, TritonServer, free_port, start_frontend
 from lookahead.models.chat import chat_prompt
 from lookahead.models.embedded import DEFAULT_MODEL
 from lookahead.models.loading import load_tokenizer

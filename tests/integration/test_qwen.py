@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from launcher.tritonserver import TritonServer, free_port, start_server
+from launcher import TritonServer, free_port, start_server
 from lookahead.benchmarks.prompt_sets import load_prompt_set
 from lookahead.contract import MODEL_ENV
 from lookahead.models.embedded import prepare_embedded_model

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-from launcher.tritonserver import free_port
+from launcher import free_port
 from lookahead.algorithm.trie import NO_NODE
 from lookahead.state.persistence import MAGIC, load_trie
 from tests.integration.servers import READY_TIMEOUT_S, copy_repository, set_parameter

@@ -14,7 +14,7 @@ import pytest
 from client import Chunk, Completion, LookaheadClient, ModelNotReadyError, ServerError
 from client.__main__ import format_stats, main, parse_args, sampling_options
 from client.api import request_inputs
-from launcher.tritonserver import free_port
+from launcher import free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 

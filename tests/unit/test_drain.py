@@ -11,8 +11,8 @@ import threading
 import time
 
 from backend.drain import Drain, watch_drain
-from launcher import tritonserver as launcher
-from launcher.tritonserver import TritonServer
+from launcher import TritonServer
+from launcher.tritonserver import REPO_ROOT
 from lookahead.contract import DRAIN_ENV
 from tests.helpers import wait_until
 
@@ -73,7 +73,7 @@ def test_stop_drains_the_instances_before_it_signals_the_server(tmp_path):
     marker = tmp_path / "drained"
     process = subprocess.Popen(
         [sys.executable, "-c", INSTANCE, str(marker)],
-        env={**os.environ, **drain.env, "PYTHONPATH": str(launcher.REPO_ROOT)},
+        env={**os.environ, **drain.env, "PYTHONPATH": str(REPO_ROOT)},
     )
     assert wait_until(lambda: drain.pending() == {process.pid}, 30)
     server = TritonServer(
