@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from client.genai_perf import EMPTY_EXPORT, EXPORT_ATTEMPTS, parse_args, run_point, served_tokenizer
-from client.load_test import LoadTestError
+from bench.genai_perf import EMPTY_EXPORT, EXPORT_ATTEMPTS, parse_args, run_point, served_tokenizer
+from bench.load_test import LoadTestError
 from lookahead.contract import MODEL_ENV
 
 REPOSITORY = Path(__file__).resolve().parents[2] / "model_repository"

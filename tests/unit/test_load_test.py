@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from client.load_test import (
+from bench.load_test import (
     LoadPoint,
     LoadTestError,
     PromptSlices,
@@ -185,7 +185,7 @@ def test_perf_analyzer_input_refuses_empty_or_bad_requests(tmp_path) -> None:
 
 
 def test_a_chat_set_goes_out_in_the_served_model_s_chat_template() -> None:
-    from lookahead.benchmarks.prompt_sets import load_prompt_set
+    from bench.prompt_sets import load_prompt_set
     from lookahead.models.embedded import DEFAULT_MODEL
     from lookahead.models.loading import load_tokenizer
 

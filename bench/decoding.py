@@ -13,7 +13,7 @@ Every output must be token-identical to plain greedy (all methods are lossless);
 reported loudly and makes the exit status 1. Tokens/s counts all output tokens over wall time,
 prefill included; tokens/step counts tokens after the first one per decoding forward.
 
-    python -m scripts.benchmark --limit 20 --out results/benchmark
+    python -m bench decoding --limit 20 --out results/benchmark
 """
 
 from __future__ import annotations
@@ -30,12 +30,13 @@ from typing import Any
 
 import torch
 
-from ..algorithm.trie import NGramTrie
-from ..config import LINEAR_KERNELS, LookaheadConfig, SamplingParams
-from ..models.chat import apply_chat_template
-from ..models.embedded import DEFAULT_MODEL
-from ..models.loading import DTYPES, LoadedModel, freeze_loaded_objects, load_model
-from ..runtime.decoder import LookaheadDecoder
+from lookahead.algorithm.trie import NGramTrie
+from lookahead.config import LINEAR_KERNELS, LookaheadConfig, SamplingParams
+from lookahead.models.chat import apply_chat_template
+from lookahead.models.embedded import DEFAULT_MODEL
+from lookahead.models.loading import DTYPES, LoadedModel, freeze_loaded_objects, load_model
+from lookahead.runtime.decoder import LookaheadDecoder
+
 from .prompt_sets import PROMPT_SET_NAMES, PromptSet, load_prompt_set
 
 METHODS = ("greedy", "prompt_lookup", "lookahead_hier", "lookahead_one")
@@ -401,7 +402,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         return 1
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -14,9 +14,9 @@ A server started by this script (--start-server) keeps its trie snapshots under
 --out/trie_state, emptied first, so every run starts from an empty trie unless --warm-trie keeps
 the last run's; a running server (--url) keeps whatever its trie learned before.
 
-    python -m scripts.load_test                     # against a server on localhost:8001
-    python -m scripts.load_test --start-server      # start one on free ports for the run
-    python -m scripts.load_test --quick             # a short smoke run (used by the tests)
+    python -m bench load_test                     # against a server on localhost:8001
+    python -m bench load_test --start-server      # start one on free ports for the run
+    python -m bench load_test --quick             # a short smoke run (used by the tests)
 
 Writes load_test.md (the table), load_test.csv, load_test.png and the raw profile exports
 into --out.
@@ -39,9 +39,9 @@ from typing import Any
 
 import numpy as np
 
-from client.ab_repository import SHARED_CACHE_ENV
+from bench.ab_repository import SHARED_CACHE_ENV
+from bench.prompt_sets import PROMPT_SET_NAMES, load_prompt_set
 from launcher import TritonServerError, free_port, start_server
-from lookahead.benchmarks.prompt_sets import PROMPT_SET_NAMES, load_prompt_set
 from lookahead.contract import STATE_DIR_ENV
 from lookahead.models.chat import chat_prompt
 from lookahead.models.embedded import DEFAULT_MODEL
@@ -420,7 +420,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     plot(points, args.out / "load_test.png", title)
     print(f"wrote {args.out / 'load_test.md'}, load_test.csv and load_test.png")
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

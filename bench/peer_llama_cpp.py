@@ -8,8 +8,8 @@ code-editing prompts, chat-formatted, to each system in turn, one request at a t
 `--max-tokens` tokens each. It reports output tokens per second end to end (request sent to the
 last token received) per system, and llama.cpp's own decode and prompt-processing rates.
 
-    python -m scripts.peer_llama_cpp --build [--isa avx2]     # once per build
-    python -m scripts.peer_llama_cpp --prompts 16 [--isa avx2]
+    python -m bench peer_llama_cpp --build [--isa avx2]     # once per build
+    python -m bench peer_llama_cpp --prompts 16 [--isa avx2]
 """
 
 from __future__ import annotations
@@ -177,7 +177,7 @@ def chat_prompts(count: int) -> list[str]:
     """Held-out code-editing prompts in the default model's chat format, as text."""
     from transformers import AutoTokenizer
 
-    from lookahead.benchmarks.prompt_sets import load_prompt_set
+    from bench.prompt_sets import load_prompt_set
     from lookahead.models.embedded import prepare_default_model
 
     tokenizer = AutoTokenizer.from_pretrained(prepare_default_model(), local_files_only=True)
@@ -231,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if not binary.is_file():
         print(
-            f"error: {binary} is missing: run python -m scripts.peer_llama_cpp --build --isa {args.isa}",
+            f"error: {binary} is missing: run python -m bench peer_llama_cpp --build --isa {args.isa}",
             file=sys.stderr,
         )
         return 1
@@ -301,7 +301,3 @@ def _triton(args: argparse.Namespace) -> Iterator[str]:
         extra_env={STATE_DIR_ENV: str(state.resolve())},
     ) as server:
         yield server.grpc_url
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

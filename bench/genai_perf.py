@@ -10,10 +10,10 @@ tokenizer is the served model's own converted folder, so nothing reaches for a m
 genai-perf runs `perf_analyzer` from the PATH: a one-line script in --out that execs
 scripts/perf_analyzer.sh.
 
-    python -m client.genai_perf                     # against a server on localhost:8001
-    python -m client.genai_perf --start-server      # start one on free ports for the run
-    python -m client.genai_perf --quick --start-server
-    python -m client.genai_perf --endpoint-type chat --start-server   # tritonserver + the OpenAI endpoint
+    python -m bench genai_perf                     # against a server on localhost:8001
+    python -m bench genai_perf --start-server      # start one on free ports for the run
+    python -m bench genai_perf --quick --start-server
+    python -m bench genai_perf --endpoint-type chat --start-server   # tritonserver + the OpenAI endpoint
 
 Writes genai_perf.md (the table), genai_perf.csv, genai_perf.png and genai-perf's own artifacts
 (one folder per model and concurrency) into --out.
@@ -348,7 +348,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     plot(points, args.out / "genai_perf.png", title)
     print(f"wrote {args.out / 'genai_perf.md'}, genai_perf.csv and genai_perf.png")
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
