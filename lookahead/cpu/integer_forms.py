@@ -31,11 +31,11 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from ..cache_dirs import packed_dir
+
 # Where found forms are kept, by the digest of the weights they rebuild (and matrices that have
 # none, by the same key), so that a model's later loads skip the search.
-FORMS_DIR = Path(
-    os.environ.get("LOOKAHEAD_PACKED_DIR") or Path(__file__).resolve().parents[2] / ".cache" / "packed"
-)
+FORMS_DIR = packed_dir()
 # Part of every key: a search that finds more forms must not read an older search's "none".
 _SEARCH_VERSION = "1"
 

@@ -26,9 +26,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..cache_dirs import models_dir
+
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
-_REPO_ROOT = Path(__file__).resolve().parents[2]
 _CHUNK = 1 << 24
 
 
@@ -141,8 +142,8 @@ EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
 
 
 def cache_dir() -> Path:
-    """Where converted models live: $LOOKAHEAD_CACHE_DIR, else <repo>/.cache/models."""
-    return Path(os.environ.get("LOOKAHEAD_CACHE_DIR") or _REPO_ROOT / ".cache" / "models")
+    """Where converted models live: $LOOKAHEAD_CACHE_DIR, else the models cache (cache_dirs.py)."""
+    return models_dir()
 
 
 def wheels_dir(model: EmbeddedModel) -> Path:
