@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 
+from ..algorithm.cost_priors import PRIORS
 from ..config import LINEAR_KERNELS
 from .attention import use_grouped_sdpa
-from .cost_priors import PRIORS
 from .extension import (
     FastPathUnavailable,
     Variant,
