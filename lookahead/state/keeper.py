@@ -11,20 +11,31 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from ..algorithm.trie import NGramTrie
+from ..config import LookaheadConfig
 from .persistence import save_trie
 from .sync import HISTORY_WAIT_S, START, Log, TrieSync
-
-if TYPE_CHECKING:
-    from ..runtime.generation import Generation
 
 APPLY_TOKENS_PER_STEP = 512  # received tokens inserted between two steps (whole entries); the rest wait
 IDLE_POLL_S = 0.25  # how often an idle engine looks for received entries while syncing
 
 
-def learned_tokens(generation: Generation) -> list[int]:
+class Finished(Protocol):
+    """What the keeper reads of a finished request (runtime.generation.Generation is one)."""
+
+    ids: list[int]
+    prompt_len: int
+    finish_reason: str | None
+    stop_tokens: frozenset[int]
+    config: LookaheadConfig
+
+    @property
+    def output_ids(self) -> list[int]: ...
+
+
+def learned_tokens(generation: Finished) -> list[int]:
     """What a request's writer fed the global trie: the prompt's last max_query_length - 1 tokens
     (the keys its outputs are found by) and the output, less a final stop token."""
     prompt = generation.ids[: generation.prompt_len]
@@ -78,7 +89,7 @@ class TrieKeeper:
     def mark_changed(self) -> None:
         self.changed = True
 
-    def learned_from(self, generation: Generation) -> None:
+    def learned_from(self, generation: Finished) -> None:
         """Publish what the global trie learned from a request that ended (nothing when the
         request had `learn` off)."""
         if self.sync is not None and generation.config.learn:
