@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.report import figure, write_csv
+from bench.report import figure, markdown_table, write_csv
 from bench.servers import (
     MODELS,
     REPO_ROOT,
@@ -238,17 +238,31 @@ def endpoint_url(args: argparse.Namespace) -> Iterator[str]:
 
 def format_table(points: Sequence[GenaiPerfPoint]) -> str:
     header = (
-        "| model | concurrency | requests | output tokens/s | TTFT avg (ms) | TTFT p99 (ms) "
-        "| inter-token latency avg (ms) | inter-token latency p99 (ms) | requests/s |"
+        "model",
+        "concurrency",
+        "requests",
+        "output tokens/s",
+        "TTFT avg (ms)",
+        "TTFT p99 (ms)",
+        "inter-token latency avg (ms)",
+        "inter-token latency p99 (ms)",
+        "requests/s",
     )
-    lines = [header, "|---" * 9 + "|"]
-    for p in points:
-        lines.append(
-            f"| {p.model} | {p.concurrency} | {p.requests} | {p.output_tokens_per_second:.1f} "
-            f"| {p.ttft_avg_ms:.0f} | {p.ttft_p99_ms:.0f} | {p.inter_token_latency_avg_ms:.1f} "
-            f"| {p.inter_token_latency_p99_ms:.1f} | {p.requests_per_second:.2f} |"
+    rows = [
+        (
+            p.model,
+            p.concurrency,
+            p.requests,
+            f"{p.output_tokens_per_second:.1f}",
+            f"{p.ttft_avg_ms:.0f}",
+            f"{p.ttft_p99_ms:.0f}",
+            f"{p.inter_token_latency_avg_ms:.1f}",
+            f"{p.inter_token_latency_p99_ms:.1f}",
+            f"{p.requests_per_second:.2f}",
         )
-    return "\n".join(lines)
+        for p in points
+    ]
+    return markdown_table(header, rows)
 
 
 def plot(points: Sequence[GenaiPerfPoint], path: Path, title: str) -> None:

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import TINY_DECODE_SCRIPT
+
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "lookahead"
 # Top-level modules of the library every layer may import: settings, the serving contract, caches.
@@ -200,41 +202,19 @@ def test_module_imports_form_no_cycle() -> None:
 @pytest.mark.slow
 def test_without_the_fast_path_package_the_stock_path_decodes_losslessly(tmp_path: Path) -> None:
     shutil.copytree(PACKAGE, tmp_path / "lookahead", ignore=shutil.ignore_patterns("cpu", "__pycache__"))
-    script = """
-import json, sys
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+    script = (
+        TINY_DECODE_SCRIPT
+        % """
 import lookahead
-from lookahead import LookaheadDecoder, NGramTrie, SamplingParams
-from lookahead.models.loading import apply_execution_path
-
-class Silent:  # token ids only: the detokenizer decodes to nothing
-    def decode(self, ids, skip_special_tokens=True):
-        return ""
-
-torch.manual_seed(0)
-config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                     num_attention_heads=4, num_key_value_heads=2)
-model = LlamaForCausalLM(config).eval()
-kernel, execution, prior = apply_execution_path(model, "auto")
 try:
     apply_execution_path(model, "packed")
-    refused = ""
+    result["refused"] = ""
 except RuntimeError as error:
-    refused = str(error)
-prompt = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]
-ids = torch.tensor([prompt])
-plain = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False,
-                       pad_token_id=0)[0, len(prompt):].tolist()
-trie = NGramTrie()
-trie.insert(prompt + plain)
-params = SamplingParams(max_tokens=16, ignore_eos=True)
-out, stats = LookaheadDecoder(model, Silent(), trie).generate(prompt, params)
-print(json.dumps({"kernel": kernel, "execution": execution, "prior": prior, "refused": refused,
-                  "plain": plain, "lookahead": out, "accepted": stats.accepted_draft_tokens,
-                  "file": lookahead.__file__,
-                  "cpu_loaded": any(m.startswith("lookahead.cpu") for m in sys.modules)}))
+    result["refused"] = str(error)
+result["file"] = lookahead.__file__
+result["cpu_loaded"] = any(m.startswith("lookahead.cpu") for m in sys.modules)
 """
+    )
     env = {**os.environ, "PYTHONPATH": str(tmp_path)}
     finished = subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300

@@ -20,49 +20,29 @@ from pathlib import Path
 import pytest
 
 from lookahead.cpu.extension import runnable_variants
+from tests.helpers import TINY_DECODE_SCRIPT
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("lookahead", "backend", "client", "frontend", "launcher")
 
-CHILD = """
-import json, sys, importlib
+CHILD = (
+    TINY_DECODE_SCRIPT
+    % """
+import importlib
 from pathlib import Path
+from lookahead.cpu import extension
 checkout = Path(sys.argv[1])
-leaks = [p for p in sys.path if p and (Path(p) / "lookahead").resolve() == checkout / "lookahead"]
+result["leaks"] = [p for p in sys.path if p and (Path(p) / "lookahead").resolve() == checkout / "lookahead"]
 names = ["lookahead", "lookahead.algorithm.drafters", "lookahead.runtime.scheduler",
          "lookahead.runtime.runner", "lookahead.models.loading", "lookahead.structured",
          "lookahead.state.sync", "lookahead.cpu.fast_path", "lookahead.contract", "client",
          "client.api", "launcher", "backend.config", "frontend.app"]
-files = {name: importlib.import_module(name).__file__ for name in names}
-
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM
-from lookahead import LookaheadDecoder, NGramTrie, SamplingParams
-from lookahead.cpu import extension
-from lookahead.models.loading import apply_execution_path
-
-class Silent:  # token ids only
-    def decode(self, ids, skip_special_tokens=True):
-        return ""
-
-torch.manual_seed(0)
-config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                     num_attention_heads=4, num_key_value_heads=2)
-model = LlamaForCausalLM(config).eval()
-kernel, execution, prior = apply_execution_path(model, "auto")
-prompt = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]
-ids = torch.tensor([prompt])
-plain = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False,
-                       pad_token_id=0)[0, len(prompt):].tolist()
-trie = NGramTrie()
-trie.insert(prompt + plain)
-params = SamplingParams(max_tokens=16, ignore_eos=True)
-out, stats = LookaheadDecoder(model, Silent(), trie).generate(prompt, params)
-built = sorted(p.name for p in extension.kernels_dir().glob("lookahead_cpu_*/*.so"))
-print(json.dumps({"leaks": leaks, "files": files, "kernel": kernel, "plain": plain, "lookahead": out,
-                  "accepted": stats.accepted_draft_tokens, "sources": str(extension._SOURCES),
-                  "kernels_dir": str(extension.kernels_dir()), "built": built}))
+result["files"] = {name: importlib.import_module(name).__file__ for name in names}
+result["sources"] = str(extension._SOURCES)
+result["kernels_dir"] = str(extension.kernels_dir())
+result["built"] = sorted(p.name for p in extension.kernels_dir().glob("lookahead_cpu_*/*.so"))
 """
+)
 
 
 @pytest.mark.slow
