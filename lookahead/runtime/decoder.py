@@ -241,8 +241,7 @@ class LookaheadDecoder:
         """
         if any(gen.finished for gen in generations):
             raise RuntimeError("step() called on a finished or closed generation")
-        # Before any slot number is planned.
-        self.runner.pack()
+        self.runner.pack()  # before any slot is looked up: packing moves requests between slots
         outputs: dict[int, StepOutput] = {}
         for gen in generations:
             if gen.fed is None:
