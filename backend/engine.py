@@ -28,6 +28,7 @@ from lookahead.runtime.decoder import LookaheadDecoder
 from lookahead.runtime.generation import Generation, GenerationStats, StepOutput
 from lookahead.runtime.logprobs import PositionLogprobs
 from lookahead.state.keeper import TrieKeeper
+from lookahead.structured import CompiledGrammar, GrammarLimitError
 
 from .config import BackendConfig
 from .request import GenerationRequest
@@ -73,6 +74,7 @@ class RequestState:
     id: str
     sender: Any  # the Triton response sender: only the response thread calls it
     request: GenerationRequest | None = None  # None when rejected before reaching the engine
+    grammar: CompiledGrammar | None = None  # its structured-output constraint, compiled before the engine
     arrival: float = field(default_factory=time.monotonic)
     cancelled: bool = False
     generation: Generation | None = None
@@ -305,7 +307,7 @@ class Engine:
             request = state.request
             try:
                 state.generation = self.decoder.start(
-                    request.prompt_ids, request.sampling, request.lookahead, request_id=state.id
+                    request.prompt_ids, request.sampling, request.lookahead, state.id, state.grammar
                 )
             except ValueError as error:  # a request this model can never serve
                 self._finish(state, Update.failed(state, FailureCode.INVALID_ARG, str(error)))
@@ -380,7 +382,12 @@ class Engine:
         self._finish(state, Update.failed(state, FailureCode.CANCELLED, "Request was cancelled"))
 
     def _fail(self, state: RequestState, error: BaseException) -> None:
-        """One broken request ends with an error; the instance and the other requests go on."""
+        """One broken request ends with an error; the instance and the other requests go on. A
+        constraint that outgrew the grammar engine's limits is the request's own: INVALID_ARG."""
+        if isinstance(error, GrammarLimitError):
+            self.log.log_warn(f"Request {state.id} ended: {error}")
+            self._finish(state, Update.failed(state, FailureCode.INVALID_ARG, str(error)))
+            return
         trace = "".join(traceback.format_exception(error))
         self.log.log_error(f"Error generating request {state.id}: {trace}")
         self._finish(state, Update.failed(state, FailureCode.INTERNAL, f"Error generating text: {error}"))

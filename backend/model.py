@@ -32,7 +32,8 @@ from lookahead.state.warmup import warm_up
 
 from .config import BackendConfig
 from .drain import DrainableLog, watch_drain
-from .engine import Engine, FailureCode, RequestState, Update
+from .engine import SHUTDOWN_MESSAGE, Engine, FailureCode, RequestState, Update
+from .grammars import GrammarStage
 from .metrics import LookaheadMetrics, MetricWriter, instance_labels
 from .orphan import exit_when_orphaned
 from .request import RequestError, RequestLimits, parse_request, prompt_byte_limit
@@ -194,9 +195,14 @@ class TritonPythonModel:
             queue_timeout_s=config.queue_timeout_s,
             on_step=self.vllm_metrics.step if self.vllm_metrics else None,
         )
+        self.grammars = decoder.grammars
+        self.grammar_stage = GrammarStage(
+            decoder.grammars, self.engine.submit, self.responses.put, self.logger, config.max_queued_requests
+        )
         freeze_loaded_objects()
         self.responses.start()
         self.engine.start()
+        self.grammar_stage.start()
         exit_when_orphaned(self._on_orphaned)
         self.drain_watch = watch_drain(self._drain)
         self.logger.log_info(
@@ -235,8 +241,23 @@ class TritonPythonModel:
                 )
                 continue
             self.responses.watch(state)
-            self.engine.submit(state)
+            self._submit(state)
         return None
+
+    def _submit(self, state: RequestState) -> None:
+        """To the engine, with its constraint compiled; one not compiled yet waits for the grammar
+        stage (never on this thread, which every new request of the model needs)."""
+        spec = state.request.sampling.structured_outputs
+        if spec is not None:
+            try:
+                state.grammar = self.grammars.cached(spec)
+            except ValueError as error:  # refused meanwhile
+                self.responses.put(Update.failed(state, FailureCode.INVALID_ARG, str(error)))
+                return
+            if state.grammar is None:
+                self.grammar_stage.put(state)
+                return
+        self.engine.submit(state)
 
     def is_ready(self) -> bool:
         """Model readiness (python_backend r26.03+ asks it for v2/models/<name>/ready): false once
@@ -253,11 +274,13 @@ class TritonPythonModel:
             return False
 
     def _on_unload(self) -> None:
+        self.grammar_stage.close(SHUTDOWN_MESSAGE)
         self.engine.unload()
 
     def _on_orphaned(self) -> None:
         """The server exited without finalize(): end the requests (nobody can answer them now) and
         write the last snapshot before the process ends."""
+        self.grammar_stage.close(SHUTDOWN_MESSAGE)
         self.engine.unload()
         self.engine.stop(timeout_s=ORPHAN_STOP_S)
 
@@ -265,6 +288,7 @@ class TritonPythonModel:
         """The launcher stops the server: end every request with a final response and save the
         snapshot now, while the server still relays responses (once signalled it no longer does)."""
         self.logger.log_info(f"{self.model_name}: the server is shutting down; draining")
+        self.grammar_stage.close(SERVER_STOPPING, DRAIN_WAIT_S)
         if not self.engine.unload(SERVER_STOPPING).wait(DRAIN_WAIT_S):
             self.logger.log_error(f"{self.model_name}: the engine did not drain within {DRAIN_WAIT_S:g} s")
         sent = threading.Event()
@@ -295,6 +319,7 @@ class TritonPythonModel:
         """Stop the engine (it answers what is left and takes a last snapshot), then the senders."""
         if self.drain_watch is not None:
             self.drain_watch.stop()
+        self.grammar_stage.close(SHUTDOWN_MESSAGE, FINALIZE_SENDS_S)
         self.engine.stop()
         # After a drain a send (a request that came since) may block: the thread is a daemon.
         self.responses.stop(timeout_s=FINALIZE_SENDS_S if self.drained else None)

@@ -284,7 +284,9 @@ class DecoderConfig:
     kv_cache_bytes: most bytes the running requests' KV pool may hold, counted for each request's
     longest possible sequence (prompt + max_tokens + one draft); 0: no bound.
     grammar_compile_timeout_s: longest a request's structured-output grammar may take to compile
-    (off the engine thread); a slower one is refused.
+    (in a process of its own, killed then); a slower one is refused.
+    grammar_max_bytes, grammar_max_choices: the largest constraint text (a schema, regex or
+    grammar) and `choice` list accepted; larger ones are refused before compiling.
     """
 
     step_token_budget: int = 128
@@ -292,6 +294,8 @@ class DecoderConfig:
     prefix_cache_tokens: int = 2048
     kv_cache_bytes: int = 2 * 1024**3
     grammar_compile_timeout_s: float = 10.0
+    grammar_max_bytes: int = 65536
+    grammar_max_choices: int = 1000
 
     def __post_init__(self) -> None:
         _require(self.step_token_budget >= 1, f"step_token_budget must be >= 1, got {self.step_token_budget}")
@@ -306,6 +310,10 @@ class DecoderConfig:
         _require(
             self.grammar_compile_timeout_s > 0,
             f"grammar_compile_timeout_s must be > 0, got {self.grammar_compile_timeout_s}",
+        )
+        _require(self.grammar_max_bytes >= 1, f"grammar_max_bytes must be >= 1, got {self.grammar_max_bytes}")
+        _require(
+            self.grammar_max_choices >= 1, f"grammar_max_choices must be >= 1, got {self.grammar_max_choices}"
         )
 
 

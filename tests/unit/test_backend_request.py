@@ -296,7 +296,7 @@ class ScriptedDecoder:
     def fits(self, longest: list[int]) -> bool:
         return self.kv_room is None or sum(longest) <= self.kv_room
 
-    def start(self, prompt_ids, params, lookahead=None, request_id="") -> ScriptedGeneration:
+    def start(self, prompt_ids, params, lookahead=None, request_id="", grammar=None) -> ScriptedGeneration:
         name = chr(prompt_ids[0])
         self.generations[name] = ScriptedGeneration(
             self.scripts[name], len(prompt_ids), self.order, name, self.gate
