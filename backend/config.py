@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from lookahead.algorithm.trie import MAX_DEPTH_LIMIT
-from lookahead.config import LINEAR_KERNELS, DecoderConfig, LookaheadConfig, TrieConfig
+from lookahead.config import DRAFTER_NAMES, LINEAR_KERNELS, DecoderConfig, LookaheadConfig, TrieConfig
 from lookahead.models.embedded import DEFAULT_MODEL
 from lookahead.models.loading import DTYPES
 from lookahead.state.sync import check_url
@@ -257,6 +257,7 @@ PARAMETERS: dict[str, tuple[tuple[str, ...], Callable[..., Any]]] = {
     "stop_words": (("lookahead", "stop_words"), _stop_words),
     "debug": (("lookahead", "debug"), _bool),
     "learn": (("lookahead", "learn"), _bool),
+    "drafter": (("lookahead", "drafter"), _choice(DRAFTER_NAMES)),
     "step_token_budget": (("decoder", "step_token_budget"), _int(minimum=1)),
     "max_speculative_batch": (("decoder", "max_speculative_batch"), _int(minimum=0)),
     "prefix_cache_tokens": (("decoder", "prefix_cache_tokens"), _int(minimum=0)),

@@ -32,6 +32,7 @@ LOOKAHEAD_OVERRIDES = (
     "stop_words",
     "debug",
     "learn",
+    "drafter",
 )
 _FLAGS = (
     "stream",
@@ -307,4 +308,5 @@ _OVERRIDES: dict[str, Callable[[str, Any], Any]] = {
     "stop_words": _to_stop_words,
     "debug": to_bool,
     "learn": to_bool,
+    "drafter": to_str,
 }

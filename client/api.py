@@ -55,6 +55,7 @@ REQUEST_KEYS = (
     "stop_words",
     "debug",
     "learn",
+    "drafter",
 )
 DECODING_MODES = ("hier", "par", "one")
 

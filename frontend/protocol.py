@@ -91,6 +91,7 @@ class _Request(_Body):
     stop_words: list[str | int] | None = None
     debug: bool | None = None
     learn: bool | None = None
+    drafter: str | None = None
 
     @field_validator("n")
     @classmethod
