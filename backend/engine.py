@@ -38,6 +38,7 @@ QUEUE_FULL = "the queue is full ({count} requests wait, max_queued_requests); re
 QUEUE_TIMEOUT = (
     "the request waited {waited:.1f} s in the queue, more than queue_timeout_s ({limit:g}); retry later"
 )
+MAX_ERROR_CHARS = 2000  # an error response's message is cut here: it never echoes a whole input
 ENGINE_FAILED = "the engine thread failed ({error}); the model must be reloaded (see the server log)"
 # Errors after which the device cannot be trusted for anyone: the engine stops (vLLM's health check).
 _WAKE = object()  # in the inbox: the engine thread looks at `unloading` at once, even while idle
@@ -120,7 +121,10 @@ class Update:
 
     @classmethod
     def failed(cls, state: RequestState, code: FailureCode, message: str) -> Update:
+        """A request's final error; its message at most MAX_ERROR_CHARS long."""
         stats = state.generation.stats if state.generation is not None else None
+        if len(message) > MAX_ERROR_CHARS:
+            message = f"{message[: MAX_ERROR_CHARS - 40]}... ({len(message)} characters in all)"
         return cls(state, final=True, stats=stats, failure=code, message=message)
 
 

@@ -36,7 +36,7 @@ from .engine import SHUTDOWN_MESSAGE, Engine, FailureCode, RequestState, Update
 from .grammars import GrammarStage
 from .metrics import LookaheadMetrics, MetricWriter, instance_labels
 from .orphan import exit_when_orphaned
-from .request import RequestError, RequestLimits, parse_request, prompt_byte_limit
+from .request import RequestError, RequestLimits, json_options, parse_request, prompt_byte_limit
 from .responses import ResponseLoop
 from .vllm_metrics import VllmMetrics
 
@@ -103,11 +103,7 @@ class TritonInputs:
             raw = self.request.parameters()
         except UnicodeDecodeError:
             raise RequestError("request parameters are not valid UTF-8") from None
-        try:
-            parameters = json.loads(raw) if raw else {}
-        except (json.JSONDecodeError, RecursionError) as error:
-            raise RequestError(f"request parameters are not valid JSON: {error}") from None
-        return parameters if isinstance(parameters, dict) else {}
+        return json_options("request parameters", raw) if raw else {}
 
 
 class TritonPythonModel:
