@@ -27,7 +27,7 @@ from lookahead.models.loading import LoadedModel, freeze_loaded_objects, load_mo
 from lookahead.runtime.decoder import LookaheadDecoder
 from lookahead.state.keeper import TrieKeeper
 from lookahead.state.persistence import claim_snapshot, load_snapshot
-from lookahead.state.sync import TrieSync, redacted, stream_key
+from lookahead.state.sync import TrieSync, entry_token_bound, redacted, stream_key
 from lookahead.state.warmup import warm_up
 
 from .config import BackendConfig
@@ -397,7 +397,7 @@ class TritonPythonModel:
             config.trie_sync,
             key,
             vocab_size=decoder.vocab_size,
-            max_tokens=config.max_prompt_tokens + config.max_output_tokens,
+            max_tokens=entry_token_bound(decoder.context_length),
             max_entries=config.trie_sync_max_entries,
             log=self.logger,
             on_count=self.metrics.trie_sync_counted if self.metrics else None,
