@@ -16,6 +16,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from lookahead.config import MAX_STOP_WORDS, LookaheadConfig, SamplingParams, shown
+from lookahead.contract import LOOKAHEAD_OVERRIDES
 
 from .sampling_keys import (
     dotted,
@@ -32,16 +33,6 @@ STREAMING_ECHO_ERROR = (
     "Error generating stream: When streaming, `exclude_input_in_output` = False is not allowed."
 )
 PERF_METRICS_OFF = "return_perf_metrics is turned off on this model (config.pbtxt acceptance_outputs false)"
-LOOKAHEAD_OVERRIDES = (
-    "use_lookahead",
-    "decoding_length",
-    "branch_length",
-    "decoding_mode",
-    "stop_words",
-    "debug",
-    "learn",
-    "drafter",
-)
 _FLAGS = (
     "stream",
     "exclude_input_in_output",

@@ -12,8 +12,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from backend.request import LOOKAHEAD_OVERRIDES
 from lookahead.config import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_WORDS, MAX_TOKEN_ID_LIST
+from lookahead.contract import LOOKAHEAD_OVERRIDES
 
 # OpenAI fields sent on as sampling_parameters under the same name.
 _OPENAI_SAMPLING = (

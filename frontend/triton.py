@@ -19,7 +19,7 @@ import tritonclient.grpc.aio as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from backend.config import BackendConfig
-from backend.launcher import MODEL_ENV
+from lookahead.contract import MODEL_ENV
 
 from .errors import APIError, from_triton, unavailable
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import tritonclient.grpc as grpcclient
 
-from backend.launcher import TritonServer
+from launcher import TritonServer
 from tests.integration.servers import copy_repository, launch, set_parameter
 from tests.integration.test_reliability import stub_pids
 from tests.integration.test_server import grpc_inputs, is_ready, post

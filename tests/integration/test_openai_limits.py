@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from backend.launcher import TritonServer
+from launcher import TritonServer
 from tests.integration.servers import MAX_PROMPT_TOKENS
 from tests.unit.test_frontend_http import Endpoint, start
 

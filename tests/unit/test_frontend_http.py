@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from backend.launcher import free_port
+from launcher import free_port
 
 
 class Endpoint:
