@@ -275,10 +275,13 @@ class TritonPythonModel:
 
     def _on_orphaned(self) -> None:
         """The server exited without finalize(): end the requests (nobody can answer them now) and
-        write the last snapshot before the process ends."""
+        write the last snapshot before the process ends; the last instance to go removes the drain
+        folder its launcher (gone too, or it would have drained us) leaves behind."""
         self.grammar_stage.close(SHUTDOWN_MESSAGE)
         self.engine.unload()
         self.engine.stop(timeout_s=ORPHAN_STOP_S)
+        if self.drain_watch is not None:
+            self.drain_watch.leave()
 
     def _drain(self) -> None:
         """The launcher stops the server: end every request with a final response and save the

@@ -9,7 +9,6 @@ exit instead), and the parent reads its result through a pipe.
 
 from __future__ import annotations
 
-import ctypes
 import math
 import os
 import resource
@@ -19,7 +18,8 @@ import threading
 import time
 from collections.abc import Callable
 
-_PR_SET_PDEATHSIG = 1
+from ..parent_death import die_with_parent
+
 _STOP_POLL_S = 0.1  # how often a wait looks at its stop event
 
 
@@ -30,18 +30,6 @@ class ChildFailure(Exception):
     def __init__(self, timed_out: bool, ended: str = ""):
         super().__init__(ended or "timed out")
         self.timed_out, self.ended = timed_out, ended
-
-
-def die_with_parent(parent: int, signum: int = signal.SIGKILL) -> None:
-    """Have the kernel send `signum` to this process when its parent thread ends (Linux); exits at
-    once when the parent (pid `parent`) is already gone."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signum, 0, 0, 0)
-    except (OSError, AttributeError):  # not Linux: nothing watches the parent
-        pass
-    if os.getppid() != parent:
-        os._exit(1)
 
 
 def run_in_child(
