@@ -47,6 +47,7 @@ RUN (command -v g++ >/dev/null || (apt-get update && apt-get install -y --no-ins
 
 EXPOSE 8000 8001 8002 9000
 # Through the launcher: on `docker stop` (SIGTERM) it drains the models (requests answered, tries saved)
-# before tritonserver gets the signal; give it the time: docker stop -t 45.
+# before tritonserver gets the signal, all within 23 s (launcher/tritonserver.py STOP_TIMEOUT_S);
+# give it the time: docker stop -t 30.
 STOPSIGNAL SIGTERM
 CMD ["python3", "-m", "launcher", "--model-repository", "/opt/lookahead/model_repository"]

@@ -260,6 +260,8 @@ PARAMETERS: dict[str, tuple[tuple[str, ...], Callable[..., Any]]] = {
     "prefix_cache_tokens": (("decoder", "prefix_cache_tokens"), _int(minimum=0)),
     "kv_cache_bytes": (("decoder", "kv_cache_bytes"), _int(minimum=0)),
     "grammar_compile_timeout_s": (("decoder", "grammar_compile_timeout_s"), _float(minimum=0.0)),
+    "grammar_max_bytes": (("decoder", "grammar_max_bytes"), _int(minimum=1)),
+    "grammar_max_choices": (("decoder", "grammar_max_choices"), _int(minimum=1)),
     "trie_capacity": (("trie", "capacity"), _int(minimum=1)),
     "trie_depth": (("trie", "depth"), _int(minimum=2)),
     "trie_state_dir": (("trie_state_dir",), _path),

@@ -28,6 +28,7 @@ from lookahead.runtime.decoder import LookaheadDecoder
 from lookahead.runtime.generation import Generation, GenerationStats, StepOutput
 from lookahead.runtime.logprobs import PositionLogprobs
 from lookahead.state.keeper import TrieKeeper
+from lookahead.structured import CompiledGrammar, GrammarLimitError
 
 from .config import BackendConfig
 from .request import GenerationRequest
@@ -37,6 +38,7 @@ QUEUE_FULL = "the queue is full ({count} requests wait, max_queued_requests); re
 QUEUE_TIMEOUT = (
     "the request waited {waited:.1f} s in the queue, more than queue_timeout_s ({limit:g}); retry later"
 )
+MAX_ERROR_CHARS = 2000  # an error response's message is cut here: it never echoes a whole input
 ENGINE_FAILED = "the engine thread failed ({error}); the model must be reloaded (see the server log)"
 # Errors after which the device cannot be trusted for anyone: the engine stops (vLLM's health check).
 _WAKE = object()  # in the inbox: the engine thread looks at `unloading` at once, even while idle
@@ -73,6 +75,7 @@ class RequestState:
     id: str
     sender: Any  # the Triton response sender: only the response thread calls it
     request: GenerationRequest | None = None  # None when rejected before reaching the engine
+    grammar: CompiledGrammar | None = None  # its structured-output constraint, compiled before the engine
     arrival: float = field(default_factory=time.monotonic)
     cancelled: bool = False
     generation: Generation | None = None
@@ -118,7 +121,10 @@ class Update:
 
     @classmethod
     def failed(cls, state: RequestState, code: FailureCode, message: str) -> Update:
+        """A request's final error; its message at most MAX_ERROR_CHARS long."""
         stats = state.generation.stats if state.generation is not None else None
+        if len(message) > MAX_ERROR_CHARS:
+            message = f"{message[: MAX_ERROR_CHARS - 40]}... ({len(message)} characters in all)"
         return cls(state, final=True, stats=stats, failure=code, message=message)
 
 
@@ -305,7 +311,7 @@ class Engine:
             request = state.request
             try:
                 state.generation = self.decoder.start(
-                    request.prompt_ids, request.sampling, request.lookahead, request_id=state.id
+                    request.prompt_ids, request.sampling, request.lookahead, state.id, state.grammar
                 )
             except ValueError as error:  # a request this model can never serve
                 self._finish(state, Update.failed(state, FailureCode.INVALID_ARG, str(error)))
@@ -380,7 +386,12 @@ class Engine:
         self._finish(state, Update.failed(state, FailureCode.CANCELLED, "Request was cancelled"))
 
     def _fail(self, state: RequestState, error: BaseException) -> None:
-        """One broken request ends with an error; the instance and the other requests go on."""
+        """One broken request ends with an error; the instance and the other requests go on. A
+        constraint that outgrew the grammar engine's limits is the request's own: INVALID_ARG."""
+        if isinstance(error, GrammarLimitError):
+            self.log.log_warn(f"Request {state.id} ended: {error}")
+            self._finish(state, Update.failed(state, FailureCode.INVALID_ARG, str(error)))
+            return
         trace = "".join(traceback.format_exception(error))
         self.log.log_error(f"Error generating request {state.id}: {trace}")
         self._finish(state, Update.failed(state, FailureCode.INTERNAL, f"Error generating text: {error}"))

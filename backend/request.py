@@ -15,10 +15,18 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from lookahead.config import MAX_STOP_WORDS, LookaheadConfig, SamplingParams
+from lookahead.config import MAX_STOP_WORDS, LookaheadConfig, SamplingParams, shown
 from lookahead.contract import LOOKAHEAD_OVERRIDES
 
-from .sampling_keys import sampling_fields, to_bool, to_int, to_str
+from .sampling_keys import (
+    dotted,
+    lone_surrogate,
+    sampling_fields,
+    surrogate_message,
+    to_bool,
+    to_int,
+    to_str,
+)
 
 # The vLLM backend's words, which its clients match.
 STREAMING_ECHO_ERROR = (
@@ -230,14 +238,23 @@ def _sampling_options(inputs: RequestInputs) -> Mapping[str, Any]:
         raise RequestError("sampling_parameters must be a STRING (BYTES) tensor holding a JSON object")
     if not raw.strip():
         return {}
+    return json_options("sampling_parameters", raw)
+
+
+def json_options(name: str, raw: str) -> dict[str, Any]:
+    """The JSON object `raw`; RequestError naming `name` for anything else, for JSON nested too
+    deeply, numbers too long for Python and lone surrogates."""
     try:
         options = json.loads(raw)
-    except json.JSONDecodeError as error:
-        raise RequestError(f"sampling_parameters is not valid JSON: {error}") from None
     except RecursionError:
-        raise RequestError("sampling_parameters is nested too deeply") from None
+        raise RequestError(f"{name} is nested too deeply") from None
+    except ValueError as error:  # not JSON, or an integer of more than 4300 digits
+        raise RequestError(f"{name} is not valid JSON: {error}") from None
     if not isinstance(options, dict):
-        raise RequestError(f"sampling_parameters must be a JSON object, got {type(options).__name__}")
+        raise RequestError(f"{name} must be a JSON object, got {type(options).__name__}")
+    where = lone_surrogate(options)
+    if where is not None:
+        raise RequestError(surrogate_message(name + dotted(where)))
     return options
 
 
@@ -288,7 +305,7 @@ def _to_stop_words(name: str, value: Any) -> tuple[int | str, ...]:
         for w in words
     ):
         return tuple(words)
-    raise RequestError(f"{name} must be a list of strings and token ids, got {value!r}")
+    raise RequestError(f"{name} must be a list of strings and token ids, got {shown(value)}")
 
 
 _OVERRIDES: dict[str, Callable[[str, Any], Any]] = {

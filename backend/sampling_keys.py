@@ -12,17 +12,24 @@ to 0.11+), plus `lora_name` from Triton's TritonSamplingParams.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from lookahead.config import STRUCTURED_KINDS, StructuredOutputs
+from lookahead.config import (
+    MAX_STOP_STRINGS,
+    MAX_TOKEN_ID_LIST,
+    STRUCTURED_KINDS,
+    StructuredOutputs,
+    shown,
+)
 
 NO_EFFECT = object()  # an accepted-at-default key whose every value is accepted: vLLM ignores it too
 
 
 def to_int(name: str, value: Any) -> int:
     if isinstance(value, bool):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
+        raise ValueError(f"{name} must be an integer, got {shown(value)}")
     if isinstance(value, int):
         return value
     if isinstance(value, float) and value.is_integer():
@@ -39,7 +46,7 @@ def to_int(name: str, value: Any) -> int:
             else:
                 if number.is_integer():
                     return int(number)
-    raise ValueError(f"{name} must be an integer, got {value!r}")
+    raise ValueError(f"{name} must be an integer, got {shown(value)}")
 
 
 def to_float(name: str, value: Any) -> float:
@@ -50,7 +57,7 @@ def to_float(name: str, value: Any) -> float:
             return float(value.strip())
         except ValueError:
             pass
-    raise ValueError(f"{name} must be a number, got {value!r}")
+    raise ValueError(f"{name} must be a number, got {shown(value)}")
 
 
 def to_bool(name: str, value: Any) -> bool:
@@ -61,36 +68,42 @@ def to_bool(name: str, value: Any) -> bool:
         return bool(value)
     if isinstance(value, str) and value.strip().lower() in ("true", "false", "1", "0"):
         return value.strip().lower() in ("true", "1")
-    raise ValueError(f"{name} must be true or false, got {value!r}")
+    raise ValueError(f"{name} must be true or false, got {shown(value)}")
 
 
 def to_str(name: str, value: Any) -> str:
     if isinstance(value, str):
         return value
-    raise ValueError(f"{name} must be a string, got {value!r}")
+    raise ValueError(f"{name} must be a string, got {shown(value)}")
 
 
 def to_stop(name: str, value: Any) -> tuple[str, ...]:
     if isinstance(value, str):
         return (value,)
+    if isinstance(value, list) and len(value) > MAX_STOP_STRINGS:  # before looking at each
+        raise ValueError(f"{name} may hold at most {MAX_STOP_STRINGS} strings, got {len(value)}")
     if isinstance(value, list) and all(isinstance(item, str) for item in value):
         return tuple(value)
-    raise ValueError(f"{name} must be a string or a list of strings, got {value!r}")
+    raise ValueError(f"{name} must be a string or a list of strings, got {shown(value)}")
 
 
 def to_token_ids(name: str, value: Any) -> tuple[int, ...]:
-    value = _json(value)
+    value = _json(name, value)
     if isinstance(value, int) and not isinstance(value, bool):
         value = [value]
     if not isinstance(value, list):
-        raise ValueError(f"{name} must be a list of token ids, got {value!r}")
+        raise ValueError(f"{name} must be a list of token ids, got {shown(value)}")
+    if len(value) > MAX_TOKEN_ID_LIST:
+        raise ValueError(f"{name} may hold at most {MAX_TOKEN_ID_LIST} ids, got {len(value)}")
     return tuple(to_int(name, item) for item in value)
 
 
 def to_logit_bias(name: str, value: Any) -> dict[int, float]:
-    value = _json(value)
+    value = _json(name, value)
     if not isinstance(value, dict):
-        raise ValueError(f"{name} must be an object mapping token ids to biases, got {value!r}")
+        raise ValueError(f"{name} must be an object mapping token ids to biases, got {shown(value)}")
+    if len(value) > MAX_TOKEN_ID_LIST:
+        raise ValueError(f"{name} may hold at most {MAX_TOKEN_ID_LIST} entries, got {len(value)}")
     return {
         to_int(f"{name} token id", token): to_float(f"{name} value", bias) for token, bias in value.items()
     }
@@ -105,17 +118,59 @@ def to_logprobs(name: str, value: Any) -> int | None:
 
 def as_json(name: str, value: Any) -> Any:
     """A list or object, also when it arrived as its JSON text."""
-    return _json(value)
+    return _json(name, value)
 
 
-def _json(value: Any) -> Any:
-    """A list or object that arrived as its JSON text."""
-    if isinstance(value, str):
-        try:
-            return json.loads(value)
-        except json.JSONDecodeError:
-            return value
-    return value
+def _json(name: str, value: Any) -> Any:
+    """A list or object that arrived as its JSON text (a string that is not JSON stays a string);
+    ValueError naming `name` for JSON text nested too deeply, holding a number too long for Python
+    or a lone surrogate."""
+    if not isinstance(value, str):
+        return value
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError:
+        return value
+    except RecursionError:
+        raise ValueError(f"{name} is JSON text nested too deeply") from None
+    except ValueError as error:  # e.g. an integer of more than 4300 digits
+        raise ValueError(f"{name} is JSON text Python cannot read: {error}") from None
+    where = lone_surrogate(parsed)
+    if where is not None:
+        raise ValueError(surrogate_message(name + dotted(where)))
+    return parsed
+
+
+SURROGATES = re.compile("[\ud800-\udfff]")
+
+
+def lone_surrogate(value: Any) -> tuple[str | int, ...] | None:
+    """Where in a parsed JSON value a string holds a lone UTF-16 surrogate (JSON's "\\ud800"
+    escape alone), which is no Unicode text and no tokenizer can encode: the keys and indices down
+    to it (those of an object whose key holds one), () for the value itself, None when there is none."""
+    pending: list[tuple[tuple[str | int, ...], Any]] = [((), value)]
+    while pending:
+        path, item = pending.pop()
+        if isinstance(item, str):
+            if SURROGATES.search(item):
+                return path
+        elif isinstance(item, dict):
+            for key, child in item.items():
+                if isinstance(key, str) and SURROGATES.search(key):
+                    return path
+                pending.append(((*path, key), child))
+        elif isinstance(item, list):
+            pending.extend(((*path, i), child) for i, child in enumerate(item))
+    return None
+
+
+def dotted(path: tuple[str | int, ...]) -> str:
+    """A path of keys and indices as `.stop_words[1]`."""
+    return "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in path)
+
+
+def surrogate_message(where: str) -> str:
+    return f"{where} holds a lone surrogate (a \\ud800-\\udfff escape alone), which is not Unicode text"
 
 
 # vLLM key -> (SamplingParams field, converter)
@@ -192,16 +247,16 @@ GUIDED_NEUTRAL = ("guided_decoding_backend", "guided_whitespace_pattern")
 
 def to_structured(name: str, value: Any) -> StructuredOutputs | None:
     """A structured_outputs / guided_decoding object (or its JSON text); None when it sets nothing."""
-    value = _json(value)
+    value = _json(name, value)
     if value == "" or value == {}:
         return None
     if not isinstance(value, dict):
         raise ValueError(
-            f"{name} must be an object setting one of {', '.join(STRUCTURED_KINDS)}, got {value!r}"
+            f"{name} must be an object setting one of {', '.join(STRUCTURED_KINDS)}, got {shown(value)}"
         )
     for key, neutral in STRUCTURED_NEUTRAL.items():
         if value.get(key) is not None and neutral is not NO_EFFECT and value[key] not in neutral:
-            raise ValueError(f"{name}.{key}={json.dumps(value[key])} is not supported by this model")
+            raise ValueError(f"{name}.{key}={shown(value[key], as_json=True)} is not supported by this model")
     kinds = [kind for kind in STRUCTURED_KINDS if value.get(kind) not in (None, False)]
     if len(kinds) != 1:
         raise ValueError(
@@ -216,24 +271,24 @@ def to_structured(name: str, value: Any) -> StructuredOutputs | None:
 def _constraint(key: str, kind: str, value: Any, name: str, any_whitespace: bool = True) -> StructuredOutputs:
     """One constraint's source, checked for its type; `name` names it in messages."""
     if kind == "json":
-        schema = _json(value)
+        schema = _json(name, value)
         if isinstance(schema, bool):  # JSON Schema's true (anything) and false (nothing)
             schema = {} if schema else {"not": {}}
         if not isinstance(schema, dict):
-            raise ValueError(f"{name} must be a JSON schema (an object, or its JSON text), got {value!r}")
+            raise ValueError(f"{name} must be a JSON schema (an object or its JSON text), got {shown(value)}")
         text = json.dumps(schema)  # property order is the output's order
     elif kind == "choice":
-        choices = _json(value)
+        choices = _json(name, value)
         if not isinstance(choices, list) or not choices or not all(isinstance(c, str) for c in choices):
-            raise ValueError(f"{name} must be a non-empty list of strings, got {value!r}")
+            raise ValueError(f"{name} must be a non-empty list of strings, got {shown(value)}")
         text = json.dumps(choices)
     elif kind == "json_object":
         if not to_bool(name, value):
-            raise ValueError(f"{name} must be true, got {value!r}")
+            raise ValueError(f"{name} must be true, got {shown(value)}")
         text = ""
     else:
         if not isinstance(value, str) or not value.strip():
-            raise ValueError(f"{name} must be a non-empty string, got {value!r}")
+            raise ValueError(f"{name} must be a non-empty string, got {shown(value)}")
         text = value
     return StructuredOutputs(kind, text, any_whitespace, key=key)
 
@@ -281,7 +336,7 @@ def sampling_fields(options: Mapping[str, Any]) -> tuple[dict[str, Any], int | N
             convert, neutral = ACCEPTED_AT_DEFAULT[key]
             if neutral is not NO_EFFECT and convert(key, value) not in neutral:
                 raise ValueError(
-                    f"{key}={json.dumps(value)} is not supported by this model "
+                    f"{key}={shown(value, as_json=True)} is not supported by this model "
                     f"(it accepts {key} only as {' or '.join(json.dumps(v) for v in neutral)})"
                 )
         elif key == TRUNCATE:

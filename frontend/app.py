@@ -19,10 +19,12 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ValidationError
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from .edge import Admission, Limits, parse_json, read_body
 from .errors import APIError, from_validation, invalid
 from .models import ServedModels
 from .protocol import ChatCompletionRequest, CompletionRequest
@@ -158,10 +160,13 @@ class TextFormat:
 
 
 async def parse(request: Request, schema: type[Body]) -> Body:
-    try:
-        body = await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise invalid(f"the body is not valid JSON: {error}") from None
+    """The body, bounded in size, parsed and validated on a worker thread."""
+    raw = await read_body(request, request.app.state.limits.max_body_bytes)
+    return await asyncio.to_thread(_validated, raw, schema)
+
+
+def _validated(raw: bytes, schema: type[Body]) -> Body:
+    body = parse_json(raw)
     if not isinstance(body, dict):
         raise invalid("the body must be a JSON object")
     try:
@@ -174,7 +179,9 @@ async def chat_completions(request: Request) -> Response:
     body = await parse(request, ChatCompletionRequest)
     models: ServedModels = request.app.state.models
     await models.require(body.model)
-    prompt = await models.chat_prompt(body.model, [m.template_message() for m in body.messages])
+    messages = [m.template_message() for m in body.messages]
+    await models.check_prompt_size(body.model, sum(len(m["content"].encode()) for m in messages), "messages")
+    prompt = await models.chat_prompt(body.model, messages)
     return await complete(request, body, prompt, ChatFormat(), top_logprobs=body.top_logprobs or 0)
 
 
@@ -183,7 +190,10 @@ async def completions(request: Request) -> Response:
     models: ServedModels = request.app.state.models
     await models.require(body.model)
     echo = body.text if body.echo else ""
-    first_token = await models.first_token(body.model, body.text) if body.scores_prompt else None
+    first_token = None
+    if body.scores_prompt:  # the prompt is tokenized here: not beyond what the model would take
+        await models.check_prompt_size(body.model, len(body.text.encode()), "prompt")
+        first_token = await models.first_token(body.model, body.text)
     form = TextFormat(0 if first_token is not None else len(echo))  # offsets into the returned text
     return await complete(
         request, body, body.text, form, top_logprobs=body.logprobs or 0, echo=echo, first_token=first_token
@@ -310,6 +320,12 @@ async def api_error(request: Request, error: Exception) -> Response:
     return error.response()
 
 
+async def server_error(request: Request, error: Exception) -> Response:
+    """A bug, not a refusal: OpenAI's error JSON (the traceback goes to the endpoint's log)."""
+    message = f"internal error of the endpoint: {type(error).__name__}"
+    return APIError(500, message, kind="server_error").response()
+
+
 async def http_error(request: Request, error: Exception) -> Response:
     assert isinstance(error, HTTPException)
     kind = "not_found_error" if error.status_code == 404 else "invalid_request_error"
@@ -318,15 +334,16 @@ async def http_error(request: Request, error: Exception) -> Response:
     ).response()
 
 
-def create_app(grpc_url: str, tokenizer: str | None = None) -> Starlette:
+def create_app(grpc_url: str, tokenizer: str | None = None, limits: Limits = Limits()) -> Starlette:
     """The endpoint for the tritonserver at grpc_url; tokenizer: the chat template's model for
-    every served model (default: what each model serves)."""
+    every served model (default: what each model serves); limits: what bounds one client."""
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         app.state.triton = Triton(grpc_url)  # the aio channel belongs to this event loop
         app.state.models = ServedModels(app.state.triton, tokenizer)
         app.state.created = int(time.time())
+        app.state.limits = limits
         yield
         await app.state.triton.close()
 
@@ -337,5 +354,8 @@ def create_app(grpc_url: str, tokenizer: str | None = None) -> Starlette:
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
     ]
-    handlers = {APIError: api_error, HTTPException: http_error}
-    return Starlette(routes=routes, lifespan=lifespan, exception_handlers=handlers)
+    handlers = {APIError: api_error, HTTPException: http_error, Exception: server_error}
+    admission = Middleware(
+        Admission, limit=limits.max_concurrent_requests, paths=("/v1/chat/completions", "/v1/completions")
+    )
+    return Starlette(routes=routes, lifespan=lifespan, exception_handlers=handlers, middleware=[admission])

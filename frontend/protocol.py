@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from lookahead.config import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_WORDS, MAX_TOKEN_ID_LIST
 from lookahead.contract import LOOKAHEAD_OVERRIDES
 
 # OpenAI fields sent on as sampling_parameters under the same name.
@@ -36,6 +37,13 @@ VLLM_EXTRAS = (
     "skip_special_tokens",
 )
 MAX_TOP_LOGPROBS = 20  # the server's bound (vLLM's)
+# The model's bounds on lists (lookahead/config.py), checked here before their entries are.
+_BOUNDS = {
+    "stop": (MAX_STOP_STRINGS, "stop strings"),
+    "logit_bias": (MAX_TOKEN_ID_LIST, "logit_bias entries"),
+    "stop_token_ids": (MAX_TOKEN_ID_LIST, "stop_token_ids"),
+    "stop_words": (MAX_STOP_WORDS, "stop_words"),
+}
 
 
 class _Body(BaseModel):
@@ -92,6 +100,20 @@ class _Request(_Body):
     debug: bool | None = None
     learn: bool | None = None
     drafter: str | None = None
+
+    @field_validator("stop", "logit_bias", "stop_token_ids", "stop_words", mode="before")
+    @classmethod
+    def _bounded(cls, value: Any, info: Any) -> Any:
+        """The model's bounds, checked before each entry is (a 2,000,000-key logit_bias would keep
+        the validation busy for seconds)."""
+        most, what = _BOUNDS[info.field_name]
+        if isinstance(value, (list, dict)) and len(value) > most:
+            raise ValueError(f"at most {most} {what}, got {len(value)}")
+        if info.field_name == "stop":
+            for text in [value] if isinstance(value, str) else value if isinstance(value, list) else ():
+                if isinstance(text, str) and len(text) > MAX_STOP_STRING_CHARS:
+                    raise ValueError(f"a stop string may be at most {MAX_STOP_STRING_CHARS} characters long")
+        return value
 
     @field_validator("n")
     @classmethod

@@ -18,11 +18,13 @@ import numpy as np
 import tritonclient.grpc.aio as grpcclient
 from tritonclient.utils import InferenceServerException
 
+from backend.config import BackendConfig
 from lookahead.contract import MODEL_ENV
 
-from .errors import APIError, from_triton
+from .errors import APIError, from_triton, unavailable
 
 _FLAGS = ("return_finish_reason", "return_num_input_tokens", "return_num_output_tokens")
+_SERVER_ERRORS = (InferenceServerException, grpc.RpcError)  # the server is down, stopping or unreachable
 
 
 @dataclass(frozen=True)
@@ -133,8 +135,11 @@ class Triton:
             return False
 
     async def models(self) -> list[str]:
-        """The repository's models that are ready to serve."""
-        index = await self.client.get_model_repository_index(as_json=True)
+        """The repository's models that are ready to serve; 503 when the server does not answer."""
+        try:
+            index = await self.client.get_model_repository_index(as_json=True)
+        except _SERVER_ERRORS as error:
+            raise unavailable(f"tritonserver did not answer: {error}") from None
         return sorted({m["name"] for m in index.get("models", []) if m.get("state") == "READY"})
 
     async def served_model(self, model: str) -> str | None:
@@ -142,9 +147,21 @@ class Triton:
         replaces it in the server too, else its config.pbtxt `model` parameter (None: it has none)."""
         if os.environ.get(MODEL_ENV, "").strip():
             return os.environ[MODEL_ENV].strip()
-        config = await self.client.get_model_config(model, as_json=True)
-        value = config.get("config", {}).get("parameters", {}).get("model", {}).get("string_value", "")
+        value = (await self._parameters(model)).get("model", {}).get("string_value", "")
         return value or None
+
+    async def max_prompt_tokens(self, model: str) -> int:
+        """The model's max_prompt_tokens (its config.pbtxt parameter, else the default)."""
+        parameters = await self._parameters(model)
+        value = parameters.get("max_prompt_tokens", {}).get("string_value", "").strip()
+        return int(value) if value.isdigit() and int(value) > 0 else BackendConfig.max_prompt_tokens
+
+    async def _parameters(self, model: str) -> dict[str, Any]:
+        try:
+            config = await self.client.get_model_config(model, as_json=True)
+        except _SERVER_ERRORS as error:
+            raise unavailable(f"tritonserver did not answer: {error}") from None
+        return config.get("config", {}).get("parameters", {})
 
     async def generate(
         self, model: str, tensors: list[grpcclient.InferInput], request_id: str, top_logprobs: int = 0
@@ -168,8 +185,8 @@ class Triton:
                 if finished:
                     return
             raise APIError(500, "tritonserver ended the response stream early", kind="server_error")
-        except (InferenceServerException, grpc.RpcError) as error:
-            raise APIError(503, f"tritonserver did not answer: {error}", kind="server_error") from None
+        except _SERVER_ERRORS as error:
+            raise unavailable(f"tritonserver did not answer: {error}") from None
         finally:
             if not finished:
                 responses.cancel()

@@ -8,6 +8,7 @@ whether it came from Python, a config.pbtxt parameter or a request's JSON.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -18,6 +19,25 @@ DECODING_MODES = ("hier", "par", "one")
 DRAFTER_NAMES = ("trie",)
 # "packed": the fast CPU path (lookahead/cpu); "stock": transformers' layers; "auto": packed where it runs.
 LINEAR_KERNELS = ("auto", "packed", "stock")
+
+
+SHOWN_CHARS = 80  # most characters of a value an error message quotes
+
+
+def shown(value: Any, as_json: bool = False) -> str:
+    """A value as an error message quotes it: its repr (or JSON), elided past SHOWN_CHARS with its
+    length, so a megabyte of client input is named, never echoed."""
+    text = _json_text(value) if as_json else repr(value)
+    if len(text) <= SHOWN_CHARS:
+        return text
+    return f"{text[: SHOWN_CHARS - 20]}...{text[-12:]} ({len(text)} characters)"
+
+
+def _json_text(value: Any) -> str:
+    try:
+        return json.dumps(value)
+    except (TypeError, ValueError, RecursionError):
+        return repr(value)
 
 
 def _require(condition: bool, message: str) -> None:
@@ -59,11 +79,11 @@ class LookaheadConfig:
         _require(self.branch_length >= 0, f"branch_length must be >= 0, got {self.branch_length}")
         _require(
             self.decoding_mode in DECODING_MODES,
-            f"decoding_mode must be one of {', '.join(DECODING_MODES)}, got {self.decoding_mode!r}",
+            f"decoding_mode must be one of {', '.join(DECODING_MODES)}, got {shown(self.decoding_mode)}",
         )
         _require(
             self.drafter in DRAFTER_NAMES,
-            f"drafter must be one of {', '.join(DRAFTER_NAMES)}, got {self.drafter!r}",
+            f"drafter must be one of {', '.join(DRAFTER_NAMES)}, got {shown(self.drafter)}",
         )
         _require(self.max_query_length >= 1, f"max_query_length must be >= 1, got {self.max_query_length}")
         _require(
@@ -112,10 +132,10 @@ def _number(name: str, value: Any, *, integer: bool = False) -> Any:
     """`value` as a float (or an int), refusing booleans, non-numbers and, for floats, nan/inf."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         kind = "an integer" if integer else "a number"
-        raise ValueError(f"{name} must be {kind}, got {value!r}")
+        raise ValueError(f"{name} must be {kind}, got {shown(value)}")
     if integer:
         if isinstance(value, float) and not value.is_integer():
-            raise ValueError(f"{name} must be an integer, got {value!r}")
+            raise ValueError(f"{name} must be an integer, got {shown(value)}")
         return int(value)
     value = float(value)
     _require(math.isfinite(value), f"{name} must be a finite number, got {value}")
@@ -142,7 +162,7 @@ class StructuredOutputs:
     def __post_init__(self) -> None:
         _require(
             self.kind in STRUCTURED_KINDS,
-            f"structured_outputs must set one of {', '.join(STRUCTURED_KINDS)}, got {self.kind!r}",
+            f"structured_outputs must set one of {', '.join(STRUCTURED_KINDS)}, got {shown(self.kind)}",
         )
 
     @property
@@ -293,7 +313,9 @@ class DecoderConfig:
     kv_cache_bytes: most bytes the running requests' KV pool may hold, counted for each request's
     longest possible sequence (prompt + max_tokens + one draft); 0: no bound.
     grammar_compile_timeout_s: longest a request's structured-output grammar may take to compile
-    (off the engine thread); a slower one is refused.
+    (in a process of its own, killed then); a slower one is refused.
+    grammar_max_bytes, grammar_max_choices: the largest constraint text (a schema, regex or
+    grammar) and `choice` list accepted; larger ones are refused before compiling.
     """
 
     step_token_budget: int = 128
@@ -301,6 +323,8 @@ class DecoderConfig:
     prefix_cache_tokens: int = 2048
     kv_cache_bytes: int = 2 * 1024**3
     grammar_compile_timeout_s: float = 10.0
+    grammar_max_bytes: int = 65536
+    grammar_max_choices: int = 1000
 
     def __post_init__(self) -> None:
         _require(self.step_token_budget >= 1, f"step_token_budget must be >= 1, got {self.step_token_budget}")
@@ -315,6 +339,10 @@ class DecoderConfig:
         _require(
             self.grammar_compile_timeout_s > 0,
             f"grammar_compile_timeout_s must be > 0, got {self.grammar_compile_timeout_s}",
+        )
+        _require(self.grammar_max_bytes >= 1, f"grammar_max_bytes must be >= 1, got {self.grammar_max_bytes}")
+        _require(
+            self.grammar_max_choices >= 1, f"grammar_max_choices must be >= 1, got {self.grammar_max_choices}"
         )
 
 

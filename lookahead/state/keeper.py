@@ -20,6 +20,7 @@ from .sync import HISTORY_WAIT_S, START, Log, TrieSync
 
 APPLY_TOKENS_PER_STEP = 512  # received tokens inserted between two steps (whole entries); the rest wait
 IDLE_POLL_S = 0.25  # how often an idle engine looks for received entries while syncing
+HISTORY_POLL_S = 0.05  # how often a joining keeper inserts the history read so far
 
 
 class Finished(Protocol):
@@ -83,8 +84,11 @@ class TrieKeeper:
         self.sync = sync
         self.stream = {"key": sync.key, "source": sync.source, "cursor": sync.cursor}
         sync.start()
-        sync.wait_for_history(history_wait_s)
-        return self._apply(None)
+        deadline = time.monotonic() + history_wait_s
+        inserted = 0
+        while not sync.caught_up.wait(HISTORY_POLL_S) and time.monotonic() < deadline:
+            inserted += self._apply(None)  # reading pauses while too many tokens wait
+        return inserted + self._apply(None)
 
     def mark_changed(self) -> None:
         self.changed = True
@@ -96,8 +100,12 @@ class TrieKeeper:
             self.sync.publish(learned_tokens(generation))
 
     def between_steps(self) -> None:
-        """Insert received entries, then save when a snapshot is due."""
+        """Insert received entries, then save when a snapshot is due; a sync thread that died is
+        started again (it cannot die of an entry: only of an error no thread should catch)."""
         if self.sync is not None:
+            if not self.sync.alive:
+                self.log.log_error("trie sync: the sync thread died; restarting it")
+                self.sync.restart()
             self._apply(APPLY_TOKENS_PER_STEP)
         self.maybe_save()
 
@@ -133,10 +141,12 @@ class TrieKeeper:
         self.save()
 
     def _apply(self, max_tokens: int | None) -> int:
+        """Insert received entries; the snapshot's position moves past them and past the entries
+        skipped after them (rejected ones included), never past one still waiting."""
         entries = self.sync.take(max_tokens)
         for entry in entries:
             self.trie.writer().feed(entry.tokens, self.stop_words)
-        if entries:
-            self.stream["cursor"] = entries[-1].entry_id
+        if self.stream.get("cursor") != self.sync.taken_through:
+            self.stream["cursor"] = self.sync.taken_through
             self.changed = True
         return len(entries)

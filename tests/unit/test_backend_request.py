@@ -307,7 +307,7 @@ class ScriptedDecoder:
     def fits(self, longest: list[int]) -> bool:
         return self.kv_room is None or sum(longest) <= self.kv_room
 
-    def start(self, prompt_ids, params, lookahead=None, request_id="") -> ScriptedGeneration:
+    def start(self, prompt_ids, params, lookahead=None, request_id="", grammar=None) -> ScriptedGeneration:
         name = chr(prompt_ids[0])
         self.generations[name] = ScriptedGeneration(
             self.scripts[name], len(prompt_ids), self.order, name, self.gate
@@ -1058,3 +1058,65 @@ def test_return_perf_metrics_is_refused_where_acceptance_outputs_are_off():
     with pytest.raises(RequestError, match="return_perf_metrics is turned off on this model"):
         parse(limits=private, return_perf_metrics=flag)
     assert not parse(limits=private, return_perf_metrics=np.array([False])).return_perf_metrics
+
+
+# Hostile values: a precise INVALID_ARG naming the key, never INTERNAL, never the whole value echoed
+
+NESTED = "[" * 100_000
+
+
+@pytest.mark.parametrize(
+    ("options", "key"),
+    [
+        ({"structured_outputs": NESTED}, "structured_outputs"),
+        ({"stop_token_ids": NESTED}, "stop_token_ids"),
+        ({"logit_bias": NESTED}, "logit_bias"),
+        ({"guided_json": NESTED}, "guided_json"),
+        ({"bad_words": NESTED}, "bad_words"),
+    ],
+)
+def test_json_text_nested_too_deeply_is_refused_naming_its_key(options, key):
+    with pytest.raises(RequestError, match=rf"^{key}.*nested too deeply") as raised:
+        parse(sampling_parameters=sampling(options))
+    assert len(str(raised.value)) < 300
+
+
+@pytest.mark.parametrize(
+    ("options", "where"),
+    [
+        ({"stop_words": ["ok", "\ud800"]}, "stop_words[1]"),
+        ({"stop": "\udfff"}, "stop"),
+        ({"structured_outputs": {"regex": "a\ud800"}}, "structured_outputs.regex"),
+        ({"logit_bias": {"\ud800": 1}}, "logit_bias"),
+    ],
+)
+def test_lone_surrogates_are_refused_naming_where_they_are(options, where):
+    with pytest.raises(RequestError, match=r"lone surrogate") as raised:
+        parse(sampling_parameters=sampling(options))
+    assert str(raised.value).startswith(f"sampling_parameters.{where}")
+
+
+def test_a_number_too_long_for_python_is_refused_not_an_internal_error():
+    with pytest.raises(RequestError, match="sampling_parameters"):
+        parse(sampling_parameters=strings('{"max_tokens": ' + "9" * 5000 + "}"))
+    with pytest.raises(RequestError, match="max_tokens"):
+        parse(sampling_parameters=sampling({"max_tokens": "9" * 5000}))
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"stop_words": ["x" * 500_000]},
+        {"stop_words": "x" * 500_000},
+        {"stop": [1] * 100_000},
+        {"temperature": "x" * 500_000},
+        {"structured_outputs": {"json": "x" * 500_000}},
+        {"decoding_mode": "x" * 500_000},
+    ],
+)
+def test_a_refusal_quotes_at_most_the_start_of_a_huge_value(options):
+    with pytest.raises(RequestError) as raised:
+        parse(sampling_parameters=sampling(options))
+    message = str(raised.value)
+    assert len(message) < 500, message[:200]
+    assert next(iter(options)) in message

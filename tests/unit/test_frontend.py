@@ -215,3 +215,18 @@ def test_the_first_chat_chunk_names_the_role_and_the_last_has_only_the_finish_re
 def test_triton_errors_map_to_statuses(message, status):
     error = from_triton(message)
     assert (error.status, error.message) == (status, message)
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        "the queue is full (256 requests wait, max_queued_requests); retry later",
+        "the request waited 5.2 s in the queue, more than queue_timeout_s (5); retry later",
+        "the server is shutting down; the request was not completed",
+        "the model is being unloaded; the request was not completed",
+    ],
+)
+def test_a_busy_or_stopping_server_is_503_with_retry_after(message):
+    error = from_triton(message)
+    assert (error.status, error.kind, error.retry_after_s) == (503, "server_error", 1)
+    assert error.response().headers["retry-after"] == "1"

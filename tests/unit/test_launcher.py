@@ -125,3 +125,35 @@ def test_an_unknown_model_stops_the_launcher_before_any_server_starts(
     monkeypatch.setenv(MODEL_ENV, "no-such-model")
     assert cli.main(["--http-port", str(free_port())]) == 2
     assert "error: --model 'no-such-model' is neither an embedded model" in capsys.readouterr().err
+
+
+def test_a_busy_port_is_refused_before_the_running_servers_log_is_touched(
+    tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(cli, "LOGS_DIR", tmp_path)
+    monkeypatch.setattr(cli, "start_server", lambda *a, **k: pytest.fail("a server was started"))
+    with socket.socket() as busy:
+        busy.bind(("0.0.0.0", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        log = tmp_path / f"tritonserver-{port}.log"  # the default log of a server on that HTTP port
+        log.write_text("the running server's log\n")
+        assert cli.main(["--http-port", str(port), "--grpc-port", str(free_port())]) == 2
+    assert f"port {port} is already in use" in capsys.readouterr().err
+    assert log.read_text() == "the running server's log\n"
+
+
+def test_the_default_log_is_appended_to(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cli, "LOGS_DIR", tmp_path)
+    started: list[Path] = []
+
+    def start_server(*args, log_file, **kwargs):
+        started.append(log_file)
+        raise TritonServerError("not this time")
+
+    monkeypatch.setattr(cli, "start_server", start_server)
+    port = free_port()
+    (tmp_path / f"tritonserver-{port}.log").write_text("an earlier run\n")
+    assert cli.main(["--http-port", str(port)]) == 1
+    assert started == [tmp_path / f"tritonserver-{port}.log"]
+    assert started[0].read_text() == "an earlier run\n"
