@@ -34,8 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from backend.launcher import TritonServerError, free_port
-from frontend.process import FrontendError, start_frontend
+from launcher import FrontendError, TritonServerError, free_port, start_frontend
 
 from .load_test import MODELS, REPO_ROOT, LoadTestError, parse_concurrency, server_url, write_csv
 
@@ -97,7 +96,7 @@ def served_tokenizer(model_repository: Path, model: str) -> Path:
     """The local folder holding the tokenizer `model` serves with (converted from its embedded model
     or GGUF file, or the folder named by its config.pbtxt `model` parameter, or by $LOOKAHEAD_MODEL,
     which replaces it in the server as well)."""
-    from backend.launcher import MODEL_ENV
+    from lookahead.contract import MODEL_ENV
     from lookahead.models.loading import tokenizer_folder
 
     name = os.environ.get(MODEL_ENV, "").strip()

@@ -39,10 +39,10 @@ from typing import Any
 
 import numpy as np
 
-from backend.config import STATE_DIR_ENV
-from backend.launcher import TritonServerError, free_port, start_server
 from client.ab_repository import SHARED_CACHE_ENV
+from launcher import TritonServerError, free_port, start_server
 from lookahead.benchmarks.prompt_sets import PROMPT_SET_NAMES, load_prompt_set
+from lookahead.contract import STATE_DIR_ENV
 from lookahead.models.chat import chat_prompt
 from lookahead.models.embedded import DEFAULT_MODEL
 from lookahead.models.loading import load_tokenizer
@@ -53,7 +53,7 @@ MODELS = ("lookahead", "baseline")
 # --quick: enough to see every model answer under concurrent load, short enough for a test.
 QUICK = {"concurrency": (1, 2), "prompts": 4, "max_tokens": 8, "request_count": 2}
 NS_PER_S = 1e9
-SERVER_READY_TIMEOUT_S = 600.0  # as `python -m backend.launcher`: a busy machine loads slowly
+SERVER_READY_TIMEOUT_S = 600.0  # as `python -m launcher`: a busy machine loads slowly
 
 
 class LoadTestError(RuntimeError):

@@ -235,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 1
     args.out.mkdir(parents=True, exist_ok=True)
-    from backend.launcher import free_port
+    from launcher import free_port
 
     prompts = chat_prompts(args.prompts)
     runs: list[Run] = []
@@ -286,8 +286,8 @@ def _triton(args: argparse.Namespace) -> Iterator[str]:
     if args.url:
         yield args.url
         return
-    from backend.config import STATE_DIR_ENV
-    from backend.launcher import free_port, start_server
+    from launcher import free_port, start_server
+    from lookahead.contract import STATE_DIR_ENV
 
     state = args.out / "trie_state"
     shutil.rmtree(state, ignore_errors=True)  # empty tries: every run starts cold

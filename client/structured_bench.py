@@ -23,7 +23,7 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
-from backend.launcher import TritonServerError
+from launcher import TritonServerError
 from lookahead.benchmarks.json_extraction import json_extraction_prompts, schema_errors
 
 from .api import Completion, LookaheadClient

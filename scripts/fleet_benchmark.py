@@ -28,7 +28,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from backend.launcher import TritonServer, free_port, start_server
+from launcher import TritonServer, free_port, start_server
 from lookahead.algorithm.trie import NGramTrie
 from lookahead.benchmarks.prompt_sets import load_prompt_set
 from lookahead.state.keeper import TrieKeeper

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import redis
 
-from backend.launcher import free_port
+from launcher import free_port
 
 INSTALL_HINT = "no redis-server on the PATH (scripts/bootstrap.sh installs it: apt-get install redis-server)"
 

@@ -84,7 +84,7 @@ def forward_costs(loaded: LoadedModel, repeats: int) -> dict[int, float]:
             for index in range(repeats + 3):  # 3 warm-up forwards
                 synchronize(decoder.device)
                 started = time.perf_counter()
-                decoder.forward_drafts([chain], [CACHED])
+                decoder.runner.forward_drafts([chain], [CACHED])
                 synchronize(decoder.device)
                 if index >= 3:
                     samples.append(time.perf_counter() - started)

@@ -58,7 +58,7 @@ def time_forward(decoder: LookaheadDecoder, q: int, cached: int) -> tuple[float,
     chain = Draft(list(range(1000, 1000 + q)), list(range(-1, q - 1)))
     with torch.inference_mode():
         started = time.perf_counter()
-        logits = decoder.forward_drafts([chain], [cached])
+        logits = decoder.runner.forward_drafts([chain], [cached])
         return time.perf_counter() - started, logits[0].argmax(-1)
 
 

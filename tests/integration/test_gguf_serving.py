@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from backend.launcher import TritonServer, TritonServerError
+from launcher import TritonServer, TritonServerError
 from lookahead import LookaheadDecoder, NGramTrie, SamplingParams
 from lookahead.models.loading import load_model
 from tests.gguf_files import Q, write_gguf

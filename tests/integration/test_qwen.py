@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from backend.launcher import MODEL_ENV, TritonServer, free_port, start_server
+from launcher import TritonServer, free_port, start_server
 from lookahead.benchmarks.prompt_sets import load_prompt_set
+from lookahead.contract import MODEL_ENV
 from lookahead.models.embedded import prepare_embedded_model
 from lookahead.models.loading import load_tokenizer
 from tests.integration.servers import copy_repository, set_parameter

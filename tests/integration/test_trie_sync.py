@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from backend.launcher import TritonServer
+from launcher import TritonServer
 from lookahead.state.sync import encode_entry
 from scripts.local_redis import RedisServer
 from tests.integration.servers import copy_repository, launch, set_parameter

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from backend.launcher import MODEL_ENV
 from client.genai_perf import EMPTY_EXPORT, EXPORT_ATTEMPTS, parse_args, run_point, served_tokenizer
 from client.load_test import LoadTestError
+from lookahead.contract import MODEL_ENV
 
 REPOSITORY = Path(__file__).resolve().parents[2] / "model_repository"
 

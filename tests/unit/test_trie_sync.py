@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 from backend.config import parse_parameters
-from backend.launcher import SYNC_ENV
 from backend.request import DictInputs, GenerationRequest, RequestError, RequestLimits, parse_request
 from lookahead.algorithm.trie import NGramTrie
 from lookahead.config import LookaheadConfig, SamplingParams
+from lookahead.contract import SYNC_ENV
 from lookahead.runtime.decoder import LookaheadDecoder
 from lookahead.state.keeper import TrieKeeper, learned_tokens
 from lookahead.state.persistence import load_snapshot
