@@ -60,6 +60,7 @@ class BackendConfig:
     queue_timeout_s: float = 0.0  # a request waiting longer gets UNAVAILABLE; 0: no bound
     report_custom_metrics: bool = True
     acceptance_outputs: bool = True  # return_perf_metrics may report a request's drafts (a side channel)
+    stream_each_token: bool = False  # streaming: one response per token (requests may say otherwise)
 
     @classmethod
     def from_triton_args(cls, args: Mapping[str, str]) -> BackendConfig:
@@ -275,4 +276,5 @@ PARAMETERS: dict[str, tuple[tuple[str, ...], Callable[..., Any]]] = {
     "queue_timeout_s": (("queue_timeout_s",), _float(minimum=0.0)),
     "REPORT_CUSTOM_METRICS": (("report_custom_metrics",), _bool),
     "acceptance_outputs": (("acceptance_outputs",), _bool),
+    "stream_each_token": (("stream_each_token",), _bool),
 }

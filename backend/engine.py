@@ -355,13 +355,11 @@ class Engine:
             if output.error is not None:
                 self._fail(state, output.error)
                 continue
-            update = self._update_for(state, output)
-            if update is None:
-                continue
-            if update.final:
-                self._finish(state, update)
-            else:
-                self.emit(update)
+            for update in self._updates_for(state, output):
+                if update.final:
+                    self._finish(state, update)
+                else:
+                    self.emit(update)
 
     def _timestamp(self, states: list[RequestState], outputs: list[StepOutput]) -> None:
         """Note when each request's tokens came, and tell on_step before any response goes out."""
@@ -384,6 +382,46 @@ class Engine:
         trace = "".join(traceback.format_exception(error))
         self.log.log_error(f"Error generating request {state.id}: {trace}")
         self._finish(state, Update.failed(state, FailureCode.INTERNAL, f"Error generating text: {error}"))
+
+    def _updates_for(self, state: RequestState, output: StepOutput) -> list[Update]:
+        """The responses this step produces: one per token where the request streams each token,
+        else at most one."""
+        if state.request.stream and state.request.stream_each_token and output.token_ids:
+            return self._token_updates(state, output)
+        update = self._update_for(state, output)
+        return [] if update is None else [update]
+
+    def _token_updates(self, state: RequestState, output: StepOutput) -> list[Update]:
+        """One response per token of a step, sent together at its end: each with the text that token
+        added (possibly none: part of a character), its logprobs and the cumulative logprob up to it;
+        finish_reason and the request's stats on the last."""
+        generation, request = state.generation, state.request
+        shown = not request.logprobs_hidden and generation.cumulative_logprob is not None
+        own = [position[token].logprob for position, token in zip(output.logprobs or (), output.token_ids)]
+        updates = []
+        for index, text in enumerate(output.token_texts):
+            last = index == len(output.token_ids) - 1
+            cumulative = generation.cumulative_logprob
+            if cumulative is not None and not last:
+                cumulative -= sum(own[index + 1 :])
+            prompt_logprobs = None
+            if not state.prompt_logprobs_sent:
+                prompt_logprobs, state.prompt_logprobs_sent = generation.prompt_logprobs, True
+            final = last and output.finish_reason is not None
+            updates.append(
+                Update(
+                    state,
+                    final=final,
+                    text=text,
+                    num_output_tokens=1,
+                    finish_reason=output.finish_reason if last else None,
+                    stats=generation.stats if final else None,
+                    logprobs=output.logprobs[index : index + 1] if shown and output.logprobs else None,
+                    cumulative_logprob=cumulative,
+                    prompt_logprobs=prompt_logprobs,
+                )
+            )
+        return updates
 
     def _update_for(self, state: RequestState, output: StepOutput) -> Update | None:
         """The response this step produces, if any: streaming sends only steps that made text."""

@@ -174,6 +174,7 @@ class TritonPythonModel:
             context_length=decoder.context_length,
             vocab_size=loaded.vocab_size,
             acceptance_outputs=config.acceptance_outputs,
+            stream_each_token=config.stream_each_token,
         )
 
         self.metrics = self.vllm_metrics = self.metric_writer = None

@@ -16,7 +16,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from lookahead.config import MAX_STOP_WORDS, LookaheadConfig, SamplingParams
-from lookahead.contract import LOOKAHEAD_OVERRIDES
+from lookahead.contract import LOOKAHEAD_OVERRIDES, STREAM_EACH_TOKEN
 
 from .sampling_keys import sampling_fields, to_bool, to_int, to_str
 
@@ -80,6 +80,7 @@ class RequestLimits:
     context_length: int | None = None
     vocab_size: int | None = None  # prompt token ids must be below it (the embedding's rows)
     acceptance_outputs: bool = True  # false: return_perf_metrics is refused
+    stream_each_token: bool = False  # the default of the request key of that name
 
 
 @dataclass(frozen=True)
@@ -98,6 +99,7 @@ class GenerationRequest:
     return_perf_metrics: bool = False
     # The request asked for no logprobs: they are computed (logprobs=0) for its cumulative_logprob only.
     logprobs_hidden: bool = False
+    stream_each_token: bool = False  # streaming: one response per token, not per step
 
 
 def parse_request(
@@ -128,6 +130,12 @@ def parse_request(
     except ValueError as error:
         raise RequestError(str(error)) from None
     lookahead = _lookahead_config(options, limits.lookahead)
+    each_token = limits.stream_each_token
+    if options.get(STREAM_EACH_TOKEN) is not None:
+        try:
+            each_token = to_bool(STREAM_EACH_TOKEN, options[STREAM_EACH_TOKEN])
+        except ValueError as error:
+            raise RequestError(str(error)) from None
 
     if limits.max_prompt_bytes is not None and len(prompt) * 4 > limits.max_prompt_bytes:
         size = len(prompt.encode("utf-8"))
@@ -169,6 +177,7 @@ def parse_request(
         # vLLM's default: the prompt is echoed when not streaming, never when streaming.
         prepend_input=not stream if exclude_input is None else not exclude_input,
         logprobs_hidden=hidden,
+        stream_each_token=each_token,
         **{name: bool(flags[name]) for name in _FLAGS if name.startswith("return_")},
     )
 

@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from lookahead.contract import LOOKAHEAD_OVERRIDES
+from lookahead.contract import LOOKAHEAD_OVERRIDES, STREAM_EACH_TOKEN
 
 # OpenAI fields sent on as sampling_parameters under the same name.
 _OPENAI_SAMPLING = (
@@ -92,6 +92,8 @@ class _Request(_Body):
     debug: bool | None = None
     learn: bool | None = None
     drafter: str | None = None
+    # streaming: a chunk per token, not per step
+    stream_each_token: bool | None = None
 
     @field_validator("n")
     @classmethod
@@ -106,7 +108,7 @@ class _Request(_Body):
     def sampling_parameters(self) -> dict[str, Any]:
         """The `sampling_parameters` JSON object: what the body sets, nothing it leaves out, so the
         model's own defaults apply (greedy without `temperature`)."""
-        names = _OPENAI_SAMPLING + VLLM_EXTRAS + LOOKAHEAD_OVERRIDES
+        names = _OPENAI_SAMPLING + VLLM_EXTRAS + LOOKAHEAD_OVERRIDES + (STREAM_EACH_TOKEN,)
         sampling = {name: getattr(self, name) for name in names if getattr(self, name) is not None}
         max_tokens = self.requested_max_tokens()
         if max_tokens is not None:

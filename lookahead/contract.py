@@ -41,7 +41,9 @@ LOOKAHEAD_OVERRIDES = (
     "learn",
     "drafter",
 )
-REQUEST_KEYS = (*SAMPLING_KEYS, STRUCTURED_OUTPUTS, *LOOKAHEAD_OVERRIDES)
+# Streaming: a step's accepted tokens in one response each (the config.pbtxt parameter's override).
+STREAM_EACH_TOKEN = "stream_each_token"
+REQUEST_KEYS = (*SAMPLING_KEYS, STRUCTURED_OUTPUTS, *LOOKAHEAD_OVERRIDES, STREAM_EACH_TOKEN)
 # The outputs `return_perf_metrics` adds to a final response.
 PERF_METRICS = ("total_draft_tokens", "total_accepted_draft_tokens", "num_decoding_steps", "acceptance_rate")
 
@@ -60,6 +62,7 @@ __all__ = [
     "REQUEST_KEYS",
     "SAMPLING_KEYS",
     "STATE_DIR_ENV",
+    "STREAM_EACH_TOKEN",
     "STRUCTURED_OUTPUTS",
     "SYNC_ENV",
 ]

@@ -40,6 +40,8 @@ class StepOutput:
     finish_reason: str | None = None  # None while running, else "stop", "length", "cancelled" or "error"
     logprobs: list[PositionLogprobs] | None = None  # one per token, when params.logprobs is set
     error: Exception | None = None  # why the request failed (finish_reason "error"); the others went on
+    # The text each token added, as plain decoding streams it (one per token; joined, `text`).
+    token_texts: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -247,9 +249,13 @@ class Generation:
             tokens = tokens[: stop_at + 1]
         # The stop token's own text is left out unless include_stop_str_in_output (vLLM's rule).
         shown = tokens if stop_at is None or params.include_stop_str_in_output else tokens[:-1]
-        text, consumed = self.detokenizer.push(shown)
-        if self.detokenizer.stopped:
-            tokens, stop_at = tokens[:consumed], None
+        texts = []
+        for token in shown:  # token by token: each one's text as plain decoding streams it
+            texts.append(self.detokenizer.push([token])[0])
+            if self.detokenizer.stopped:
+                tokens, stop_at = tokens[: len(texts)], None
+                break
+        texts += [""] * (len(tokens) - len(texts))  # an end token whose text is left out
         self.ids.extend(tokens)
         self.stats.output_tokens += len(tokens)
         self.selector.commit(tokens)
@@ -267,6 +273,6 @@ class Generation:
         elif self.stats.output_tokens >= params.max_tokens:
             self.finish_reason = "length"
         if self.finished:
-            text += self.detokenizer.flush()
+            texts[-1] += self.detokenizer.flush()  # a step commits at least one token
             self.close()
-        return StepOutput(tokens, text, self.finish_reason, logprobs)
+        return StepOutput(tokens, "".join(texts), self.finish_reason, logprobs, token_texts=texts)

@@ -31,6 +31,7 @@ from backend.request import (
 from lookahead.algorithm.trie import NGramTrie
 from lookahead.config import LookaheadConfig, SamplingParams, StructuredOutputs
 from lookahead.runtime.decoder import GenerationStats, StepOutput
+from lookahead.runtime.logprobs import Logprob
 from lookahead.state.keeper import TrieKeeper
 from lookahead.state.persistence import load_trie
 from tests.helpers import wait_until
@@ -243,6 +244,19 @@ def test_problems_are_named(tensors, params, message):
     assert message in str(raised.value)
 
 
+def test_stream_each_token_comes_from_the_model_unless_the_request_says_otherwise():
+    assert parse().stream_each_token is False
+    each = replace(LIMITS, stream_each_token=True)
+    assert parse(limits=each).stream_each_token is True
+    assert (
+        parse(limits=each, sampling_parameters=sampling({"stream_each_token": "false"})).stream_each_token
+        is False
+    )
+    assert parse({"stream_each_token": True}).stream_each_token is True  # request parameters
+    with pytest.raises(RequestError, match="stream_each_token must be true or false, got 'yes'"):
+        parse(sampling_parameters=sampling({"stream_each_token": "yes"}))
+
+
 def test_lookahead_cannot_be_enabled_on_a_model_serving_without_it():
     baseline = RequestLimits(LookaheadConfig(use_lookahead=False), max_prompt_tokens=20, max_output_tokens=64)
     with pytest.raises(RequestError, match="use_lookahead cannot be enabled"):
@@ -284,6 +298,9 @@ class ScriptedGeneration:
         self.stats.draft_tokens += 2
         self.stats.accepted_draft_tokens += len(output.token_ids) - 1
         self.finished = output.finish_reason is not None
+        if output.logprobs is not None:  # as Generation.commit sums them
+            chosen = sum(position[t].logprob for position, t in zip(output.logprobs, output.token_ids))
+            self.cumulative_logprob = (self.cumulative_logprob or 0.0) + chosen
         return output
 
     def close(self, reason: str = "cancelled") -> None:
@@ -394,6 +411,55 @@ def test_streaming_sends_text_deltas_with_final_on_the_last_one():
     assert updates[-1].stats is decoder.generations["a"].stats
     assert decoder.generations["a"].closed
     assert state.first_output_time is not None and state.finish_time >= state.first_output_time
+
+
+def logprob_of(token: int, value: float) -> dict[int, Logprob]:
+    return {token: Logprob(value, 1, chr(token))}
+
+
+def test_stream_each_token_sends_a_steps_tokens_one_response_each():
+    """Three tokens in one step: "H", half of "é" (no text yet), its other half; then a last step."""
+    first = StepOutput(
+        [72, 195, 169],
+        "Hé",
+        logprobs=[logprob_of(72, -0.5), logprob_of(195, -0.25), logprob_of(169, -0.125)],
+        token_texts=["H", "", "é"],
+    )
+    last = StepOutput([33], "!", "stop", logprobs=[logprob_of(33, -1.0)], token_texts=["!"])
+    engine, decoder, recorder = run_engine({"a": [first, last], "b": [replace(first), replace(last)]})
+    each = submit(engine, "a", stream=True, prepend_input=False, stream_each_token=True)
+    whole = submit(engine, "b", stream=True, prepend_input=False)
+    engine.start()
+    recorder.wait_finals(2)
+    engine.stop()
+    updates = recorder.of(each)
+    assert [(u.text, u.num_output_tokens, u.final, u.finish_reason) for u in updates] == [
+        ("H", 1, False, None),
+        ("", 1, False, None),
+        ("é", 1, False, None),
+        ("!", 1, True, "stop"),
+    ]
+    assert [list(u.logprobs[0]) for u in updates] == [[72], [195], [169], [33]]
+    assert [u.stats is not None for u in updates] == [False, False, False, True]
+    assert [(u.text, u.num_output_tokens, u.final) for u in recorder.of(whole)] == [
+        ("Hé", 3, False),
+        ("!", 1, True),
+    ]
+
+
+def test_stream_each_token_reports_the_cumulative_logprob_up_to_each_token():
+    steps_ = [
+        StepOutput(
+            [1, 2], "ab", logprobs=[logprob_of(1, -0.5), logprob_of(2, -0.25)], token_texts=["a", "b"]
+        ),
+        StepOutput([3], "c", "length", logprobs=[logprob_of(3, -1.0)], token_texts=["c"]),
+    ]
+    engine, decoder, recorder = run_engine({"a": steps_})
+    state = submit(engine, "a", stream=True, prepend_input=False, stream_each_token=True)
+    engine.start()
+    recorder.wait_finals(1)
+    engine.stop()
+    assert [u.cumulative_logprob for u in recorder.of(state)] == [-0.5, -0.75, -1.75]
 
 
 def test_non_streaming_sends_one_response_with_the_prompt_prepended():
