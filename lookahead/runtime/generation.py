@@ -83,6 +83,17 @@ class Shared:
     release: Callable[[Generation], None]  # gives the generation's KV slot back
 
 
+@dataclass
+class Siblings:
+    """The samples of one prompt (SamplingParams n, best_of), started together: the leader reads
+    the prompt, the others take its KV once it has (so the prompt is read once); `trie`, where the
+    instance's trie does not learn their outputs, holds the prompt and every sample's output, so
+    that each sample drafts from the others' (there, the instance's trie does it)."""
+
+    leader: Generation | None = None
+    trie: NGramTrie | None = None
+
+
 class Generation:
     """One request: its prompt fed in chunks, then one (possibly speculative) forward per step."""
 
@@ -94,8 +105,10 @@ class Generation:
         config: LookaheadConfig,
         request_id: str = "",
         grammar: GrammarMatcher | None = None,
+        siblings: Siblings | None = None,
     ):
         self.shared = shared
+        self.siblings = siblings
         self.request_id = request_id  # names the request in the debug log
         self.params = params
         self.config = config
@@ -135,6 +148,7 @@ class Generation:
                     shared.trie_depth,
                     self.stop_tokens,
                     self.stop_words,
+                    siblings.trie if siblings is not None else None,
                 )
             )
         # The shared trie learns outputs, keyed by the prompt's last tokens so that they can be queried.
@@ -162,6 +176,18 @@ class Generation:
     def prefilled(self) -> bool:
         """The whole prompt but its last token is in the pool: the next step drafts."""
         return self.fed is not None and self.fed >= self.root
+
+    @property
+    def leader(self) -> Generation | None:
+        """The sibling whose prompt KV this sample takes (None: it reads its own prompt)."""
+        leader = self.siblings.leader if self.siblings is not None else None
+        return None if leader is self else leader
+
+    @property
+    def awaits_leader(self) -> bool:
+        """Its leader is still reading the prompt (a finished one leaves this sample to read it)."""
+        leader = self.leader
+        return leader is not None and not leader.finished and not leader.prefilled
 
     @property
     def scoring_prompt(self) -> bool:
