@@ -97,7 +97,8 @@ class GenerationRequest:
     return_num_input_tokens: bool = False
     return_num_output_tokens: bool = False
     return_perf_metrics: bool = False
-    # The request asked for no logprobs: they are computed (logprobs=0) for its cumulative_logprob only.
+    # The request asked for no logprobs: they are computed (logprobs=0) for its cumulative_logprob or
+    # to rank its best_of samples only.
     logprobs_hidden: bool = False
     stream_each_token: bool = False  # streaming: one response per token, not per step
 
@@ -159,7 +160,15 @@ def parse_request(
     limit = limits.max_prompt_tokens
     if len(prompt_ids) > limit:
         raise RequestError(f"text_input has {len(prompt_ids)} tokens, more than max_prompt_tokens ({limit})")
-    hidden = bool(flags["return_cumulative_logprob"]) and fields.get("logprobs") is None
+    ranked = isinstance(fields.get("best_of"), int) and fields["best_of"] > fields.get("n", 1)
+    if ranked and stream:
+        raise RequestError(
+            f"best_of ({fields['best_of']}) above n ({fields.get('n', 1)}) returns the best samples once "
+            "all are done: it cannot stream"
+        )
+    # Logprobs the request did not ask for are still computed for its cumulative_logprob, or to rank
+    # its best_of samples.
+    hidden = (bool(flags["return_cumulative_logprob"]) or ranked) and fields.get("logprobs") is None
     if hidden:
         fields["logprobs"] = 0
     sampling = _sampling_params(fields, limits, len(prompt_ids))

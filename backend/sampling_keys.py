@@ -3,7 +3,7 @@
 Clients written for vLLM's backend (the OpenAI frontend, genai-perf, tritonclient scripts) send
 the whole vLLM vocabulary, often as strings ("0.7", "false"). Every key vLLM knows is either
 supported with vLLM's meaning, or accepted only while it holds the value that changes nothing
-(the OpenAI frontend sends `n: 1`, `logprobs: false`, `best_of: 1`...) and refused with
+(the OpenAI frontend sends `logprobs: false`, `use_beam_search: false`...) and refused with
 INVALID_ARG naming it otherwise. Keys no vLLM version knows are ignored, as vLLM's backend
 ignores them. The list was read off vLLM's `vllm/sampling_params.py` across its releases (0.4
 to 0.11+), plus `lora_name` from Triton's TritonSamplingParams.
@@ -138,14 +138,14 @@ SUPPORTED: dict[str, tuple[str, Callable[[str, Any], Any]]] = {
     "skip_special_tokens": ("skip_special_tokens", to_bool),
     "logprobs": ("logprobs", to_logprobs),
     "prompt_logprobs": ("prompt_logprobs", to_logprobs),
+    "n": ("n", to_int),
+    "best_of": ("best_of", to_int),
 }
 
 # Known to vLLM, not implemented here: key -> (converter, the values that change nothing). A
 # value equal to one of those is accepted; any other is refused. NO_EFFECT: any value (vLLM's
 # own sampler ignores it, or it only tunes vLLM's engine).
 ACCEPTED_AT_DEFAULT: dict[str, tuple[Callable[[str, Any], Any], Any]] = {
-    "n": (to_int, (1,)),
-    "best_of": (to_int, (1,)),
     "use_beam_search": (to_bool, (False,)),
     "length_penalty": (to_float, (1.0,)),
     "early_stopping": (to_bool, (False,)),

@@ -6,7 +6,7 @@ variables through which the launcher (or a deployment) configures every model in
 
 from __future__ import annotations
 
-from .config import DECODING_MODES, DRAFTER_NAMES
+from .config import DECODING_MODES, DRAFTER_NAMES, MAX_SAMPLES
 
 # vLLM's sampling keys, with vLLM's meanings (backend/sampling_keys.py converts each).
 SAMPLING_KEYS = (
@@ -28,6 +28,8 @@ SAMPLING_KEYS = (
     "skip_special_tokens",
     "logprobs",
     "prompt_logprobs",
+    "n",
+    "best_of",
 )
 STRUCTURED_OUTPUTS = "structured_outputs"  # a constraint on the output (vLLM's name)
 # LookaheadConfig fields a request may override in its sampling_parameters (backend/request.py).
@@ -57,6 +59,7 @@ __all__ = [
     "DRAFTER_NAMES",
     "DRAIN_ENV",
     "LOOKAHEAD_OVERRIDES",
+    "MAX_SAMPLES",
     "MODEL_ENV",
     "PERF_METRICS",
     "REQUEST_KEYS",
