@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from bench.prompt_sets import load_prompt_set
 from launcher import TritonServer, free_port, start_server
-from lookahead.benchmarks.prompt_sets import load_prompt_set
 from lookahead.contract import MODEL_ENV
 from lookahead.models.embedded import prepare_embedded_model
 from lookahead.models.loading import load_tokenizer

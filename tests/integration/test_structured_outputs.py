@@ -9,8 +9,8 @@ import re
 
 import pytest
 
+from bench.json_extraction import json_extraction_prompts, schema_errors
 from client.api import Completion, LookaheadClient
-from lookahead.benchmarks.json_extraction import json_extraction_prompts, schema_errors
 from lookahead.models.embedded import DEFAULT_MODEL
 from lookahead.models.loading import load_tokenizer
 from tests.integration.test_server import is_ready, post

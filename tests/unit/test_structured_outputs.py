@@ -9,10 +9,10 @@ import re
 import pytest
 import torch
 
+from bench.json_extraction import json_extraction_prompts, schema_errors
 from lookahead import LookaheadConfig, LookaheadDecoder, NGramTrie, SamplingParams
 from lookahead.algorithm.draft import FROM_GRAMMAR, Draft
 from lookahead.algorithm.retrieval import retrieve_draft
-from lookahead.benchmarks.json_extraction import json_extraction_prompts, schema_errors
 from lookahead.config import DECODING_MODES, StructuredOutputs
 from lookahead.models.embedded import DEFAULT_MODEL
 from lookahead.models.loading import load_tokenizer

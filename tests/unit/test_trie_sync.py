@@ -12,6 +12,7 @@ import pytest
 
 from backend.config import parse_parameters
 from backend.request import DictInputs, GenerationRequest, RequestError, RequestLimits, parse_request
+from bench.local_redis import RedisServer
 from lookahead.algorithm.trie import NGramTrie
 from lookahead.config import LookaheadConfig, SamplingParams
 from lookahead.contract import SYNC_ENV
@@ -28,7 +29,6 @@ from lookahead.state.sync import (
     encode_entry,
     redacted,
 )
-from scripts.local_redis import RedisServer
 from tests.helpers import wait_until
 from tests.redis_server import require_redis_server, running_redis
 

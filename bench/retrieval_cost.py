@@ -8,7 +8,7 @@ process, each with its own local trie (its first half, the "prompt"), and time
 `retrieve_draft` end to end (query match + draft build), after the trie was kept full (evicting)
 for a while. Single thread, no GPU.
 
-    python -m scripts.bench_retrieval --capacity 1000000 --queries 2000
+    python -m bench retrieval_cost --capacity 1000000 --queries 2000
 """
 
 from __future__ import annotations
@@ -17,14 +17,15 @@ import argparse
 import statistics
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 
-from ..algorithm.retrieval import retrieve_draft
-from ..algorithm.trie import NGramTrie
-from ..config import DECODING_MODES
-from ..state.persistence import load_trie, save_trie
+from lookahead.algorithm.retrieval import retrieve_draft
+from lookahead.algorithm.trie import NGramTrie
+from lookahead.config import DECODING_MODES
+from lookahead.state.persistence import load_trie, save_trie
 
 VOCAB = 49_152
 
@@ -111,7 +112,7 @@ def time_queries(shared: NGramTrie, args: argparse.Namespace, mode: str) -> tupl
     return seconds, sizes
 
 
-def main() -> None:
+def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -123,7 +124,7 @@ def main() -> None:
     parser.add_argument("--decoding-length", type=int, default=64)
     parser.add_argument("--branch-length", type=int, default=12)
     parser.add_argument("--max-query-length", type=int, default=4)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     shared, build_seconds, tokens = build_shared(args.capacity, args.max_depth, args.doc_length)
     print(f"nodes: {shared.node_count:,} (capacity {args.capacity:,}, depth {args.max_depth})")
@@ -145,7 +146,4 @@ def main() -> None:
             f"{mode}: median {p50:.3f} ms, p99 {p99:.3f} ms, mean draft {statistics.mean(sizes):.1f} nodes "
             f"over {len(seconds)} queries"
         )
-
-
-if __name__ == "__main__":
-    main()
+    return 0

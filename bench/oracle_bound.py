@@ -13,8 +13,8 @@ the oracle caps the runs at the length that makes the step cheapest per token.
 
 No real drafter knows the output, so what lookahead reaches lies below these ratios.
 
-    python -m scripts.bench_oracle --prompt-set code_edit --prompts 16
-    scripts/as_avx2.sh .venv/bin/python -m scripts.bench_oracle --prompt-set code_edit --prompts 16
+    python -m bench oracle_bound --prompt-set code_edit --prompts 16
+    scripts/as_avx2.sh .venv/bin/python -m bench oracle_bound --prompt-set code_edit --prompts 16
 """
 
 from __future__ import annotations
@@ -23,12 +23,13 @@ import argparse
 from collections import defaultdict
 from collections.abc import Sequence
 
-from ..algorithm.planner import STOCK_CPU_PRIOR
-from ..config import DecoderConfig, LookaheadConfig, SamplingParams
-from ..models.chat import chat_prompt
-from ..models.embedded import DEFAULT_MODEL
-from ..models.loading import load_model
-from ..runtime.decoder import LookaheadDecoder
+from lookahead.algorithm.planner import STOCK_CPU_PRIOR
+from lookahead.config import DecoderConfig, LookaheadConfig, SamplingParams
+from lookahead.models.chat import chat_prompt
+from lookahead.models.embedded import DEFAULT_MODEL
+from lookahead.models.loading import load_model
+from lookahead.runtime.decoder import LookaheadDecoder
+
 from .prompt_sets import PROMPT_SET_NAMES, load_prompt_set
 
 LONGEST_RUN = 31  # the default branch_length's draft, less one

@@ -7,8 +7,8 @@ what it measures is the hardware: the verification forward's cost for 1..64 new 
 a decoding step's overhead outside the forward (retrieval, planning, verification). `--smoke`
 runs the same steps on a tiny shape, so the script can be checked on a CPU.
 
-    python -m lookahead.benchmarks.device_check --device cuda            # part of scripts/gpu_check.sh
-    python -m lookahead.benchmarks.device_check --device cpu --smoke
+    python -m bench device_check --device cuda            # part of scripts/gpu_check.sh
+    python -m bench device_check --device cpu --smoke
 """
 
 from __future__ import annotations
@@ -22,11 +22,11 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, Qwen2Config
 
-from ..algorithm.draft import Draft
-from ..algorithm.trie import NGramTrie
-from ..config import LookaheadConfig, SamplingParams
-from ..models.loading import DTYPES, LoadedModel, NoTokenizer, apply_execution_path
-from ..runtime.decoder import LookaheadDecoder
+from lookahead.algorithm.draft import Draft
+from lookahead.algorithm.trie import NGramTrie
+from lookahead.config import LookaheadConfig, SamplingParams
+from lookahead.models.loading import DTYPES, LoadedModel, NoTokenizer, apply_execution_path
+from lookahead.runtime.decoder import LookaheadDecoder
 
 # Qwen2.5-7B-Instruct's published shape.
 QWEN25_7B = dict(
@@ -179,7 +179,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"lookahead output identical to plain decoding on {rows[-1]['identical_to_plain']} prompts")
     print(f"done in {time.perf_counter() - started:.0f} s")
     return 0 if rows[-1]["identical_to_plain"].split("/")[0] == str(args.prompts) else 1
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -13,7 +13,7 @@ Every output must be token-identical to plain greedy (all methods are lossless);
 reported loudly and makes the exit status 1. Tokens/s counts all output tokens over wall time,
 prefill included; tokens/step counts tokens after the first one per decoding forward.
 
-    python -m scripts.benchmark --limit 20 --out results/benchmark
+    python -m bench decoding --limit 20 --out results/benchmark
 """
 
 from __future__ import annotations
@@ -30,13 +30,15 @@ from typing import Any
 
 import torch
 
-from ..algorithm.trie import NGramTrie
-from ..config import LINEAR_KERNELS, LookaheadConfig, SamplingParams
-from ..models.chat import apply_chat_template
-from ..models.embedded import DEFAULT_MODEL
-from ..models.loading import DTYPES, LoadedModel, freeze_loaded_objects, load_model
-from ..runtime.decoder import LookaheadDecoder
+from lookahead.algorithm.trie import NGramTrie
+from lookahead.config import LINEAR_KERNELS, LookaheadConfig, SamplingParams
+from lookahead.models.chat import apply_chat_template
+from lookahead.models.embedded import DEFAULT_MODEL
+from lookahead.models.loading import DTYPES, LoadedModel, freeze_loaded_objects, load_model
+from lookahead.runtime.decoder import LookaheadDecoder
+
 from .prompt_sets import PROMPT_SET_NAMES, PromptSet, load_prompt_set
+from .report import figure
 
 METHODS = ("greedy", "prompt_lookup", "lookahead_hier", "lookahead_one")
 BASELINES = ("greedy", "prompt_lookup")
@@ -297,27 +299,20 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
 
 def plot(rows: Sequence[dict[str, Any]], path: Path, title: str) -> None:
     """Grouped bars of tokens/s per set, each bar labelled with its speedup over greedy."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     sets = list(dict.fromkeys(row["set"] for row in rows))
     width = 0.8 / len(METHODS)
-    figure, axes = plt.subplots(figsize=(2.2 + 2.2 * len(sets), 4.5))
-    for offset, method in enumerate(METHODS):
-        by_set = {row["set"]: row for row in rows if row["method"] == method}
-        positions = [index + (offset - (len(METHODS) - 1) / 2) * width for index in range(len(sets))]
-        bars = axes.bar(positions, [by_set[name]["tokens_per_second"] for name in sets], width, label=method)
-        labels = [f"{by_set[name]['speedup_vs_greedy']:.2f}x" for name in sets]
-        axes.bar_label(bars, labels=labels, fontsize=7, padding=2)
-    axes.set_xticks(range(len(sets)), sets)
-    axes.set_ylabel("generated tokens/s")
-    axes.set_title(title, fontsize=9)
-    axes.legend(fontsize=8)
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
+    with figure(path, title, size=(2.2 + 2.2 * len(sets), 4.5)) as axes:
+        for offset, method in enumerate(METHODS):
+            by_set = {row["set"]: row for row in rows if row["method"] == method}
+            positions = [index + (offset - (len(METHODS) - 1) / 2) * width for index in range(len(sets))]
+            bars = axes.bar(
+                positions, [by_set[name]["tokens_per_second"] for name in sets], width, label=method
+            )
+            labels = [f"{by_set[name]['speedup_vs_greedy']:.2f}x" for name in sets]
+            axes.bar_label(bars, labels=labels, fontsize=7, padding=2)
+        axes.set_xticks(range(len(sets)), sets)
+        axes.set_ylabel("generated tokens/s")
+        axes.legend(fontsize=8)
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -401,7 +396,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         return 1
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

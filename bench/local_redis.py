@@ -1,5 +1,5 @@
 """A redis-server of our own on a free loopback port, without persistence (for the trie_sync tests
-and scripts/fleet_benchmark.py; a real deployment runs its own Redis)."""
+and bench/fleet.py; a real deployment runs its own Redis)."""
 
 from __future__ import annotations
 

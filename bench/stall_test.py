@@ -6,23 +6,22 @@ end, within the default max_prompt_tokens). The streaming request's gaps between
 timed: their median before the long prompt arrived, and the longest one until the long prompt's
 answer came back, which is what a user of the running stream sees while the new prompt is read.
 
-    python -m scripts.stall_test --start-server --models lookahead baseline
+    python -m bench stall_test --start-server --models lookahead baseline
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench.prompt_sets import load_prompt_set
+from bench.servers import add_server_arguments, server_url
 from client.api import LookaheadClient
-from client.load_test import REPO_ROOT, server_url
-from lookahead.benchmarks.prompt_sets import load_prompt_set
 
 CHARS_PER_TOKEN = 3.3  # HumanEval text under the embedded models' tokenizers, about
 OPENING_RESPONSES = 8  # responses of the stream before the long prompt is sent
@@ -94,10 +93,7 @@ def format_table(points: Sequence[StallPoint]) -> str:
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--url", default="localhost:8001", help="gRPC host:port of a running server")
-    parser.add_argument("--start-server", action="store_true", help="start tritonserver for the run")
-    parser.add_argument("--warm-trie", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--model-repository", type=Path, default=REPO_ROOT / "model_repository")
+    add_server_arguments(parser, warm_trie=False)
     parser.add_argument("--models", nargs="+", default=["lookahead", "baseline"])
     parser.add_argument("--long-tokens", type=int, default=3600, help="about this many prompt tokens")
     parser.add_argument("--stream-tokens", type=int, default=512, help="tokens the running stream asks for")
@@ -114,7 +110,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(table)
     (args.out / "stall_test.md").write_text(table + "\n", encoding="utf-8")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

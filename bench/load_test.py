@@ -14,9 +14,9 @@ A server started by this script (--start-server) keeps its trie snapshots under
 --out/trie_state, emptied first, so every run starts from an empty trie unless --warm-trie keeps
 the last run's; a running server (--url) keeps whatever its trie learned before.
 
-    python -m scripts.load_test                     # against a server on localhost:8001
-    python -m scripts.load_test --start-server      # start one on free ports for the run
-    python -m scripts.load_test --quick             # a short smoke run (used by the tests)
+    python -m bench load_test                     # against a server on localhost:8001
+    python -m bench load_test --start-server      # start one on free ports for the run
+    python -m bench load_test --quick             # a short smoke run (used by the tests)
 
 Writes load_test.md (the table), load_test.csv, load_test.png and the raw profile exports
 into --out.
@@ -25,39 +25,36 @@ into --out.
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
-import shutil
 import subprocess
 import sys
-from collections.abc import Iterable, Iterator, Sequence
-from contextlib import contextmanager
-from dataclasses import asdict, dataclass, fields
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from client.ab_repository import SHARED_CACHE_ENV
-from launcher import TritonServerError, free_port, start_server
-from lookahead.benchmarks.prompt_sets import PROMPT_SET_NAMES, load_prompt_set
-from lookahead.contract import STATE_DIR_ENV
+from bench.prompt_sets import PROMPT_SET_NAMES, load_prompt_set
+from bench.report import figure, write_csv
+from bench.servers import (
+    MODELS,
+    REPO_ROOT,
+    BenchmarkError,
+    add_server_arguments,
+    parse_concurrency,
+    server_url,
+)
+from launcher import TritonServerError
 from lookahead.models.chat import chat_prompt
 from lookahead.models.embedded import DEFAULT_MODEL
 from lookahead.models.loading import load_tokenizer
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 PERF_ANALYZER = REPO_ROOT / "scripts" / "perf_analyzer.sh"
-MODELS = ("lookahead", "baseline")
 # --quick: enough to see every model answer under concurrent load, short enough for a test.
 QUICK = {"concurrency": (1, 2), "prompts": 4, "max_tokens": 8, "request_count": 2}
 NS_PER_S = 1e9
-SERVER_READY_TIMEOUT_S = 600.0  # as `python -m launcher`: a busy machine loads slowly
-
-
-class LoadTestError(RuntimeError):
-    """perf_analyzer failed, or its export lacks what the summary needs."""
 
 
 @dataclass(frozen=True)
@@ -85,7 +82,7 @@ def summarize_experiment(model: str, experiment: dict[str, Any]) -> LoadPoint:
     concurrency = int(experiment["experiment"]["value"])
     requests = [r for r in experiment["requests"] if r["response_timestamps"]]
     if not requests:
-        raise LoadTestError(f"{model} at concurrency {concurrency}: no request received a response")
+        raise BenchmarkError(f"{model} at concurrency {concurrency}: no request received a response")
     sent = np.array([r["timestamp"] for r in requests], dtype=np.int64)
     first = np.array([r["response_timestamps"][0] for r in requests], dtype=np.int64)
     last = np.array([r["response_timestamps"][-1] for r in requests], dtype=np.int64)
@@ -114,7 +111,7 @@ def _output_tokens(request: dict[str, Any], model: str) -> int:
     # perf_analyzer exports every output the model declares, with garbage for those a response
     # lacks, so the count is trusted only when the request asked for it.
     if not request["request_inputs"].get("return_num_output_tokens"):
-        raise LoadTestError(
+        raise BenchmarkError(
             f"{model}: requests did not set return_num_output_tokens, so responses carry no token counts"
         )
     return int(sum(output["num_output_tokens"] for output in request["response_outputs"]))
@@ -195,7 +192,7 @@ class PromptSlices:
 
     def next_file(self, concurrency: int) -> Path:
         if self.used + self.size > len(self.prompts):
-            raise LoadTestError(
+            raise BenchmarkError(
                 f"the prompt set has {len(self.prompts)} prompts: not enough for another {self.size} "
                 f"unseen ones (lower --prompts)"
             )
@@ -221,7 +218,7 @@ def run_point(
     log.write_text(" ".join(command) + "\n" + finished.stdout + finished.stderr, encoding="utf-8")
     if finished.returncode != 0:
         tail = "\n".join((finished.stdout + finished.stderr).splitlines()[-15:])
-        raise LoadTestError(f"perf_analyzer exited with {finished.returncode} (log {log}):\n{tail}")
+        raise BenchmarkError(f"perf_analyzer exited with {finished.returncode} (log {log}):\n{tail}")
     profile = _read_export(export)
     if profile is None:
         print(f"perf_analyzer left {export} empty or cut short", flush=True)
@@ -248,7 +245,7 @@ def run_level(args: argparse.Namespace, url: str, level: int, slices: PromptSlic
         else:
             return points
         print(f"measuring concurrency {concurrency} again on new prompts", flush=True)
-    raise LoadTestError(f"perf_analyzer left an unusable export twice at concurrency {concurrency}")
+    raise BenchmarkError(f"perf_analyzer left an unusable export twice at concurrency {concurrency}")
 
 
 def _read_export(path: Path) -> dict[str, Any] | None:
@@ -276,91 +273,37 @@ def format_table(points: Sequence[LoadPoint]) -> str:
     return "\n".join(lines)
 
 
-def write_csv(points: Sequence[Any], row_type: type, path: Path) -> None:
-    """One row per point (an instance of the dataclass `row_type`), one column per field."""
-    with open(path, "w", newline="", encoding="utf-8") as file:
-        writer = csv.DictWriter(file, fieldnames=[f.name for f in fields(row_type)])
-        writer.writeheader()
-        writer.writerows(asdict(point) for point in points)
-
-
 def plot(points: Sequence[LoadPoint], path: Path, title: str) -> None:
     """Throughput and latency against concurrency, one line per model."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     levels = sorted({p.concurrency for p in points})
-    figure, (throughput, latency) = plt.subplots(1, 2, figsize=(10, 4))
-    for model in dict.fromkeys(p.model for p in points):
-        mine = sorted((p for p in points if p.model == model), key=lambda p: p.concurrency)
-        x = [p.concurrency for p in mine]
-        throughput.plot(x, [p.output_tokens_per_second for p in mine], marker="o", label=model)
-        line = latency.plot(x, [p.latency_p50_ms for p in mine], marker="o", label=f"{model} latency p50")
-        latency.plot(
-            x,
-            [p.ttft_p50_ms for p in mine],
-            marker="s",
-            linestyle="--",
-            color=line[0].get_color(),
-            label=f"{model} TTFT p50",
-        )
-    for axes in (throughput, latency):
-        axes.set_xlabel("concurrent requests")
-        axes.set_xscale("log", base=2)
-        axes.set_xticks(levels, [str(level) for level in levels])
-        axes.set_ylim(bottom=0)
-        axes.legend(fontsize=8)
-        axes.grid(alpha=0.3)
-    throughput.set_ylabel("output tokens/s")
-    latency.set_ylabel("ms")
-    figure.suptitle(title, fontsize=9)
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
-
-
-@contextmanager
-def server_url(args: argparse.Namespace) -> Iterator[str]:
-    """The gRPC URL to load: the given one, or that of a server started for this run."""
-    if not args.start_server:
-        yield args.url
-        return
-    print(f"starting tritonserver on {args.model_repository} (log {args.out / 'server.log'})", flush=True)
-    state = args.out / "trie_state"
-    if not args.warm_trie:
-        shutil.rmtree(state, ignore_errors=True)
-    with start_server(
-        args.model_repository,
-        http_port=free_port(),
-        grpc_port=free_port(),
-        metrics_port=free_port(),
-        log_file=args.out / "server.log",
-        extra_env={
-            STATE_DIR_ENV: str(state.resolve()),
-            **{name: value for name, value in SHARED_CACHE_ENV.items() if name not in os.environ},
-        },
-        ready_timeout_s=SERVER_READY_TIMEOUT_S,
-    ) as server:
-        yield server.grpc_url
-
-
-def parse_concurrency(text: str) -> tuple[int, ...]:
-    levels = tuple(int(part) for part in text.split(",") if part.strip())
-    if not levels or min(levels) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers separated by commas, got {text!r}")
-    return levels
+    with figure(path, title, panels=2) as (throughput, latency):
+        for model in dict.fromkeys(p.model for p in points):
+            mine = sorted((p for p in points if p.model == model), key=lambda p: p.concurrency)
+            x = [p.concurrency for p in mine]
+            throughput.plot(x, [p.output_tokens_per_second for p in mine], marker="o", label=model)
+            line = latency.plot(x, [p.latency_p50_ms for p in mine], marker="o", label=f"{model} latency p50")
+            latency.plot(
+                x,
+                [p.ttft_p50_ms for p in mine],
+                marker="s",
+                linestyle="--",
+                color=line[0].get_color(),
+                label=f"{model} TTFT p50",
+            )
+        for axes in (throughput, latency):
+            axes.set_xlabel("concurrent requests")
+            axes.set_xscale("log", base=2)
+            axes.set_xticks(levels, [str(level) for level in levels])
+            axes.set_ylim(bottom=0)
+            axes.legend(fontsize=8)
+            axes.grid(alpha=0.3)
+        throughput.set_ylabel("output tokens/s")
+        latency.set_ylabel("ms")
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--url", default="localhost:8001", help="gRPC host:port of a running server")
-    parser.add_argument("--start-server", action="store_true", help="start tritonserver for the run")
-    parser.add_argument(
-        "--warm-trie", action="store_true", help="with --start-server: keep the trie of the last run in --out"
-    )
-    parser.add_argument("--model-repository", type=Path, default=REPO_ROOT / "model_repository")
+    add_server_arguments(parser)
     parser.add_argument("--models", nargs="+", default=list(MODELS))
     parser.add_argument("--concurrency", type=parse_concurrency, default=(1, 2, 4, 8), help="e.g. 1,2,4,8")
     parser.add_argument("--prompt-set", default="humaneval", choices=PROMPT_SET_NAMES)
@@ -408,7 +351,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         with server_url(args) as url:
             for level in range(len(args.concurrency)):
                 points.extend(run_level(args, url, level, slices))
-    except (LoadTestError, TritonServerError) as error:
+    except (BenchmarkError, TritonServerError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
     points.sort(key=lambda point: args.models.index(point.model))  # the table lists one model, then the next
@@ -420,7 +363,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     plot(points, args.out / "load_test.png", title)
     print(f"wrote {args.out / 'load_test.md'}, load_test.csv and load_test.png")
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -7,7 +7,7 @@ kernels round differently. This script reports how often they agree over a named
 and for each prompt that differs, the first differing token and the stock model's top-2 logit
 gap there (a near-tie shows as a tiny gap).
 
-    python -m scripts.agreement --model qwen2.5-coder-0.5b-instruct --set code_edit --limit 20
+    python -m bench agreement --model qwen2.5-coder-0.5b-instruct --set code_edit --limit 20
 """
 
 from __future__ import annotations
@@ -20,11 +20,12 @@ from pathlib import Path
 
 import torch
 
-from ..algorithm.trie import NGramTrie
-from ..config import LookaheadConfig, SamplingParams
-from ..models.embedded import DEFAULT_MODEL
-from ..models.loading import LoadedModel, load_model
-from ..runtime.decoder import LookaheadDecoder
+from lookahead.algorithm.trie import NGramTrie
+from lookahead.config import LookaheadConfig, SamplingParams
+from lookahead.models.embedded import DEFAULT_MODEL
+from lookahead.models.loading import LoadedModel, load_model
+from lookahead.runtime.decoder import LookaheadDecoder
+
 from .decoding import encode, first_difference, transformers_runner
 from .prompt_sets import PROMPT_SET_NAMES, load_prompt_set
 
@@ -103,7 +104,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.out.write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
     print(f"wrote {args.out}")
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,6 +1,6 @@
 """Structured outputs through the server: lookahead with a JSON schema against plain constrained
 decoding (the baseline model, same schema) and against lookahead without one, on the
-JSON-extraction prompt set (lookahead/benchmarks/json_extraction.py, a schema per prompt).
+JSON-extraction prompt set (bench/json_extraction.py, a schema per prompt).
 
 Requests run one at a time over gRPC streaming, greedy, each prompt through the three settings in
 turn, so the ratios come from the same minutes of the machine; one short request per model first
@@ -9,7 +9,7 @@ holds the prefill: the prefix cache spares the unconstrained run the prompt the 
 lookahead run has just prefilled). Every constrained output is checked: it
 must parse and conform to its schema, and lookahead's must equal the baseline's.
 
-    python -m scripts.bench_structured --start-server --prompts 8
+    python -m bench structured --start-server --prompts 8
 """
 
 from __future__ import annotations
@@ -23,12 +23,13 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
+from bench.json_extraction import json_extraction_prompts, schema_errors
+from bench.report import write_csv
+from bench.servers import add_server_arguments, server_url
+from client.api import Completion, LookaheadClient
 from launcher import TritonServerError
-from lookahead.benchmarks.json_extraction import json_extraction_prompts, schema_errors
 
-from .api import Completion, LookaheadClient
 from .genai_perf import served_tokenizer
-from .load_test import REPO_ROOT, server_url, write_csv
 
 SETTINGS = (  # (name, model, constrained)
     ("baseline + grammar", "baseline", True),
@@ -146,15 +147,11 @@ def mismatches(runs: Sequence[Run]) -> list[int]:
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--url", default="localhost:8001", help="gRPC host:port of a running server")
-    parser.add_argument("--start-server", action="store_true", help="start tritonserver for the run")
-    parser.add_argument("--model-repository", type=Path, default=REPO_ROOT / "model_repository")
+    add_server_arguments(parser, warm_trie=False)
     parser.add_argument("--prompts", type=int, default=8, help="prompts of the JSON-extraction set")
     parser.add_argument("--max-tokens", type=int, default=256, help="most tokens generated per request")
     parser.add_argument("--out", type=Path, default=Path("results/structured"))
-    args = parser.parse_args(argv)
-    args.warm_trie = False
-    return args
+    return parser.parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -177,7 +174,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: lookahead's constrained output differs from the baseline's on prompts {differing}")
         return 1
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

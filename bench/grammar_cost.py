@@ -1,10 +1,10 @@
 """What a grammar costs a lookahead step, in one process: the default model extracts JSON under
-each prompt's schema (lookahead/benchmarks/json_extraction.py), greedy, and the matcher's own
+each prompt's schema (bench/json_extraction.py), greedy, and the matcher's own
 counters give the time to check draft nodes (pruning, per node and per step) and to compute the
 masks of the verified rows (per mask and per step), next to the step's forward. Compile time is
 measured per schema, the first compile of the process (llguidance's tokenizer view) apart.
 
-    python -m scripts.bench_grammar --prompts 4
+    python -m bench grammar_cost --prompts 4
 """
 
 from __future__ import annotations
@@ -14,10 +14,11 @@ import json
 import time
 from collections.abc import Sequence
 
-from ..config import SamplingParams, StructuredOutputs
-from ..models.embedded import DEFAULT_MODEL
-from ..models.loading import load_model
-from ..runtime.decoder import LookaheadDecoder
+from lookahead.config import SamplingParams, StructuredOutputs
+from lookahead.models.embedded import DEFAULT_MODEL
+from lookahead.models.loading import load_model
+from lookahead.runtime.decoder import LookaheadDecoder
+
 from .json_extraction import json_extraction_prompts
 
 

