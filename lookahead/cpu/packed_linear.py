@@ -139,8 +139,12 @@ def _pack_columns(matrix: torch.Tensor) -> torch.Tensor:
 
 def pack_linear_layers(model: nn.Module, extension: ModuleType, known: KnownForms | None = None) -> None:
     """Replace every fp32 `nn.Linear` of `model` in place by a `PackedLinear` on `extension`'s kernel;
-    `known`: the forms the caller knows (a layer it names may have an empty weight on the meta device)."""
-    for parent, linears in linear_groups(model, known):
+    `known`: the forms the caller knows (a layer it names may have an empty weight on the meta device).
+    The largest matrices first: packing one holds its unpacked integers for a while, best done while
+    little else is held."""
+    groups = linear_groups(model, known)
+    groups.sort(key=lambda group: -sum(linear.weight.numel() for linear in group[1].values()))
+    for parent, linears in groups:
         weights, start = PackedWeights(list(linears.values()), extension, known), 0
         for name, linear in linears.items():
             setattr(parent, name, PackedLinear(weights, start, start + linear.out_features))

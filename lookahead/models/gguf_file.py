@@ -122,6 +122,7 @@ class GGUFModelFile:
             if not (target / _CONVERTED).is_file():
                 staging = Path(tempfile.mkdtemp(prefix=f".{self.cache_key}-", dir=target.parent))
                 try:
+                    os.chmod(staging, 0o755)  # mkdtemp's 0o700 would hide it from other users
                     if self.has_tokenizer:
                         self._from_file("AutoTokenizer", "tokenizer").save_pretrained(staging)
                     self._from_file("AutoConfig", "config").save_pretrained(staging)

@@ -488,7 +488,7 @@ def test_stream_each_token_reports_the_cumulative_logprob_up_to_each_token():
     assert [u.cumulative_logprob for u in recorder.of(state)] == [-0.5, -0.75, -1.75]
 
 
-def sampled(prompt: str, n: int, best_of: int | None = None) -> SamplingParams:
+def sampled(n: int, best_of: int | None = None) -> SamplingParams:
     return SamplingParams(max_tokens=8, temperature=1.0, n=n, best_of=best_of)
 
 
@@ -498,7 +498,7 @@ def texts_of(update: Update) -> list[tuple[str, int, str | None]]:
 
 def test_n_samples_come_back_in_one_response_with_an_element_each():
     engine, _, recorder = run_engine({"a0": steps("bc", "de"), "a1": steps("x", reason="stop")})
-    state = submit(engine, "a", stream=False, prepend_input=True, sampling=sampled("a", 2))
+    state = submit(engine, "a", stream=False, prepend_input=True, sampling=sampled(2))
     engine.start()
     recorder.wait_finals(1)
     engine.stop()
@@ -509,7 +509,7 @@ def test_n_samples_come_back_in_one_response_with_an_element_each():
 
 def test_streamed_samples_share_each_response_and_a_finished_one_stays_in_it():
     engine, _, recorder = run_engine({"a0": steps("bc", "de"), "a1": steps("x", reason="stop")})
-    state = submit(engine, "a", stream=True, prepend_input=False, sampling=sampled("a", 2))
+    state = submit(engine, "a", stream=True, prepend_input=False, sampling=sampled(2))
     engine.start()
     recorder.wait_finals(1)
     engine.stop()
@@ -527,7 +527,7 @@ def test_best_of_returns_the_n_samples_of_highest_cumulative_logprob_best_first(
 
     scripts = {"a0": sample("x", -2.0), "a1": sample("y", -5.0), "a2": sample("z", -0.5)}
     engine, _, recorder = run_engine(scripts)
-    state = submit(engine, "a", stream=False, prepend_input=False, sampling=sampled("a", 2, best_of=3))
+    state = submit(engine, "a", stream=False, prepend_input=False, sampling=sampled(2, best_of=3))
     engine.start()
     recorder.wait_finals(1)
     engine.stop()
