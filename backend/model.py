@@ -22,8 +22,10 @@ from typing import Any
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from lookahead.models.checks import check_tree_attention
+from lookahead.models.checks import UnsupportedModelError, check_tree_attention
+from lookahead.models.embedded import EmbeddedModelError
 from lookahead.models.loading import LoadedModel, freeze_loaded_objects, load_model
+from lookahead.models.prompt_bytes import prompt_byte_limit
 from lookahead.runtime.decoder import LookaheadDecoder
 from lookahead.state.keeper import TrieKeeper
 from lookahead.state.persistence import claim_snapshot, load_snapshot
@@ -36,7 +38,7 @@ from .engine import SHUTDOWN_MESSAGE, Engine, FailureCode, RequestState, Update
 from .grammars import GrammarStage
 from .metrics import LookaheadMetrics, MetricWriter, instance_labels
 from .orphan import exit_when_orphaned
-from .request import RequestError, RequestLimits, json_options, parse_request, prompt_byte_limit
+from .request import RequestError, RequestLimits, json_options, parse_request
 from .responses import ResponseLoop
 from .vllm_metrics import VllmMetrics
 
@@ -74,11 +76,18 @@ OUTPUTS = [
 ]
 
 
+# What makes a model unservable (a bad file or folder, an architecture that cannot verify trees,
+# wheels that cannot be installed): the load fails with its message, not a traceback.
+MODEL_ERRORS = (ValueError, OSError, UnsupportedModelError, EmbeddedModelError)
 MAX_LOGGED_ID_CHARS = 128
 ORPHAN_STOP_S = 30.0  # how long an orphaned stub waits for its engine's last step and snapshot
 DRAIN_WAIT_S = 20.0  # how long a drain waits for the engine's last step and snapshot, then the sends
 FINALIZE_SENDS_S = 5.0  # how long finalize after a drain waits for the response thread
 SERVER_STOPPING = "the server is shutting down; the request was not completed"
+
+
+def one_line(error: BaseException) -> str:
+    return " ".join(str(error).split()) or type(error).__name__
 
 
 def log_id(request_id: str | None) -> str:
@@ -141,7 +150,12 @@ class TritonPythonModel:
         # forward of the engine thread wake sleeping workers (on 2 cores, a third slower).
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="lookahead-load") as loader:
             loading = loader.submit(self._load, config, args["model_instance_name"])
-            loaded, keeper, decoder = loading.result()
+            try:
+                loaded, keeper, decoder = loading.result()
+            except MODEL_ERRORS as error:  # a model that cannot be served: one line says why
+                message = f"{args['model_instance_name']}: cannot serve {config.model!r}: {one_line(error)}"
+                self.logger.log_error(message)
+                raise pb_utils.TritonModelException(message) from None
         self.model_name = args["model_name"]
         self.tokenize, self.detokenize = loaded.tokenizer.encode, loaded.tokenizer.decode
         if config.linear_kernel == "auto" and loaded.linear_kernel == "stock" and config.device == "cpu":
@@ -158,6 +172,7 @@ class TritonPythonModel:
             context_length=decoder.context_length,
             vocab_size=loaded.vocab_size,
             acceptance_outputs=config.acceptance_outputs,
+            stream_each_token=config.stream_each_token,
         )
 
         self.metrics = self.vllm_metrics = self.metric_writer = None

@@ -3,7 +3,7 @@
 Clients written for vLLM's backend (the OpenAI frontend, genai-perf, tritonclient scripts) send
 the whole vLLM vocabulary, often as strings ("0.7", "false"). Every key vLLM knows is either
 supported with vLLM's meaning, or accepted only while it holds the value that changes nothing
-(the OpenAI frontend sends `n: 1`, `logprobs: false`, `best_of: 1`...) and refused with
+(the OpenAI frontend sends `logprobs: false`, `use_beam_search: false`...) and refused with
 INVALID_ARG naming it otherwise. Keys no vLLM version knows are ignored, as vLLM's backend
 ignores them. The list was read off vLLM's `vllm/sampling_params.py` across its releases (0.4
 to 0.11+), plus `lora_name` from Triton's TritonSamplingParams.
@@ -12,7 +12,6 @@ to 0.11+), plus `lora_name` from Triton's TritonSamplingParams.
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -23,6 +22,7 @@ from lookahead.config import (
     StructuredOutputs,
     shown,
 )
+from lookahead.contract import dotted, lone_surrogate, surrogate_message
 
 NO_EFFECT = object()  # an accepted-at-default key whose every value is accepted: vLLM ignores it too
 
@@ -141,38 +141,6 @@ def _json(name: str, value: Any) -> Any:
     return parsed
 
 
-SURROGATES = re.compile("[\ud800-\udfff]")
-
-
-def lone_surrogate(value: Any) -> tuple[str | int, ...] | None:
-    """Where in a parsed JSON value a string holds a lone UTF-16 surrogate (JSON's "\\ud800"
-    escape alone), which is no Unicode text and no tokenizer can encode: the keys and indices down
-    to it (those of an object whose key holds one), () for the value itself, None when there is none."""
-    pending: list[tuple[tuple[str | int, ...], Any]] = [((), value)]
-    while pending:
-        path, item = pending.pop()
-        if isinstance(item, str):
-            if SURROGATES.search(item):
-                return path
-        elif isinstance(item, dict):
-            for key, child in item.items():
-                if isinstance(key, str) and SURROGATES.search(key):
-                    return path
-                pending.append(((*path, key), child))
-        elif isinstance(item, list):
-            pending.extend(((*path, i), child) for i, child in enumerate(item))
-    return None
-
-
-def dotted(path: tuple[str | int, ...]) -> str:
-    """A path of keys and indices as `.stop_words[1]`."""
-    return "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in path)
-
-
-def surrogate_message(where: str) -> str:
-    return f"{where} holds a lone surrogate (a \\ud800-\\udfff escape alone), which is not Unicode text"
-
-
 # vLLM key -> (SamplingParams field, converter)
 SUPPORTED: dict[str, tuple[str, Callable[[str, Any], Any]]] = {
     "max_tokens": ("max_tokens", to_int),
@@ -193,14 +161,14 @@ SUPPORTED: dict[str, tuple[str, Callable[[str, Any], Any]]] = {
     "skip_special_tokens": ("skip_special_tokens", to_bool),
     "logprobs": ("logprobs", to_logprobs),
     "prompt_logprobs": ("prompt_logprobs", to_logprobs),
+    "n": ("n", to_int),
+    "best_of": ("best_of", to_int),
 }
 
 # Known to vLLM, not implemented here: key -> (converter, the values that change nothing). A
 # value equal to one of those is accepted; any other is refused. NO_EFFECT: any value (vLLM's
 # own sampler ignores it, or it only tunes vLLM's engine).
 ACCEPTED_AT_DEFAULT: dict[str, tuple[Callable[[str, Any], Any], Any]] = {
-    "n": (to_int, (1,)),
-    "best_of": (to_int, (1,)),
     "use_beam_search": (to_bool, (False,)),
     "length_penalty": (to_float, (1.0,)),
     "early_stopping": (to_bool, (False,)),

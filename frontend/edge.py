@@ -18,7 +18,7 @@ from starlette.requests import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from backend.sampling_keys import lone_surrogate
+from lookahead.contract import lone_surrogate
 
 from .errors import APIError, invalid, unavailable
 

@@ -12,9 +12,9 @@ import asyncio
 from collections.abc import Sequence
 from typing import Any
 
-from backend.request import prompt_byte_limit
 from lookahead.models.chat import chat_prompt
 from lookahead.models.loading import load_tokenizer
+from lookahead.models.prompt_bytes import prompt_byte_limit
 
 from .errors import APIError, model_not_found
 from .triton import Triton

@@ -6,8 +6,9 @@ OpenAI-compatible endpoint beside it) until Ctrl-C or SIGTERM, which drain the m
     python -m launcher --openai-port 9000   # and the OpenAI-compatible endpoint (frontend/)
 
 `--model` (or $LOOKAHEAD_MODEL) replaces the `model` parameter of every model in the repository
-(a folder as an absolute path); it is prepared here before tritonserver starts (an embedded one
-installed and converted, the integer forms of its weights searched; progress on the terminal).
+(a GGUF file or a folder as an absolute path); it is prepared here before tritonserver starts (an
+embedded one installed, a GGUF file's tokenizer converted, a folder's integer forms searched;
+progress on the terminal).
 
 A stop ends everything within tritonserver.STOP_TIMEOUT_S, a client's open stream notwithstanding;
 whatever ends the launcher (SIGKILL included) ends the processes it started; an endpoint that
@@ -37,18 +38,24 @@ LOGS_DIR = REPO_ROOT / ".cache" / "logs"
 
 
 def model_override(value: str) -> str:
-    """The LOOKAHEAD_MODEL value for `--model`: an embedded model's name or a folder's absolute path
-    (the server's processes run elsewhere), prepared before any server starts. TritonServerError
-    when it is neither."""
+    """The LOOKAHEAD_MODEL value for `--model`: an embedded model's name, or a GGUF file's or a
+    folder's absolute path (the server's processes run elsewhere), prepared before any server
+    starts. TritonServerError when it is none of them, or a GGUF file that cannot be served."""
     from lookahead.models.embedded import EMBEDDED_MODELS
+    from lookahead.models.gguf_file import is_gguf_path, open_gguf
 
     model = value
-    if value not in EMBEDDED_MODELS:
+    if is_gguf_path(value):
+        try:
+            model = str(open_gguf(value).path.resolve())
+        except (ValueError, FileNotFoundError) as error:
+            raise TritonServerError(f"--model: {error}") from None
+    elif value not in EMBEDDED_MODELS:
         folder = Path(value).expanduser()
         if not (folder / "config.json").is_file():
             raise TritonServerError(
-                f"--model {value!r} is neither an embedded model ({', '.join(EMBEDDED_MODELS)}) "
-                "nor a local folder with a config.json"
+                f"--model {value!r} is neither an embedded model ({', '.join(EMBEDDED_MODELS)}), "
+                "nor a .gguf file, nor a local folder with a config.json"
             )
         model = str(folder.resolve())
     prepare_model(model)
@@ -56,9 +63,10 @@ def model_override(value: str) -> str:
 
 
 def prepare_model(model: str) -> None:
-    """`python -m lookahead prepare MODEL`, progress on the terminal: the download, the conversion and
-    the integer-form search done once, so that every instance finds them cached and the readiness
-    wait covers only loading. In a process of its own, whose memory is freed before the server's."""
+    """`python -m lookahead prepare MODEL`, progress on the terminal: the download, the tokenizer's
+    conversion and the integer-form search done once, so that every instance finds them cached and
+    the readiness wait covers only loading. In a process of its own, whose memory is freed before
+    the server's."""
     done = subprocess.run([sys.executable, "-m", "lookahead", "prepare", model], stdin=subprocess.DEVNULL)
     if done.returncode != 0:
         raise TritonServerError(f"preparing {model} failed (python -m lookahead prepare: {done.returncode})")
@@ -104,8 +112,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--model",
         default=os.environ.get(MODEL_ENV) or None,
-        help=f"serve every model of the repository on this embedded model or folder (default: ${MODEL_ENV}, "
-        "else each config.pbtxt's model parameter)",
+        help="serve every model of the repository on this embedded model, .gguf file or folder "
+        f"(default: ${MODEL_ENV}, else each config.pbtxt's model parameter)",
     )
     parser.add_argument(
         "--trie-sync",

@@ -126,6 +126,7 @@ MAX_LOGIT_BIAS = 100  # OpenAI's and vLLM's bound; larger ones overflow the logi
 # changes nothing more anyway.
 REPETITION_PENALTY_RANGE = (0.01, 100.0)
 MAX_STOP_WORDS = 256  # stop_words entries; each one is looked up in the tokenizer
+MAX_SAMPLES = 16  # n and best_of: each sample is a request of its own in the engine
 
 
 def _number(name: str, value: Any, *, integer: bool = False) -> Any:
@@ -184,6 +185,9 @@ class SamplingParams:
     then argmax, or temperature, min_p, top_k, top_p and one sample. top_k 0 or -1 is off.
     logprobs / prompt_logprobs: how many most likely tokens to report per position (None: none),
     of the model's raw distribution, as vLLM reports them.
+    n / best_of: samples returned / generated (best_of, default n: the n of highest cumulative
+    logprob are returned, best first, as vLLM's V0 engine did); sample i samples with seed + i
+    when a seed is given (vLLM's parallel sampling). Sampling only, as in vLLM.
     """
 
     max_tokens: int = 128
@@ -205,12 +209,14 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     structured_outputs: StructuredOutputs | None = None
+    n: int = 1
+    best_of: int | None = None
 
     def __post_init__(self) -> None:
         def set_(name: str, value: Any) -> None:
             object.__setattr__(self, name, value)
 
-        for name in ("max_tokens", "min_tokens", "top_k"):
+        for name in ("max_tokens", "min_tokens", "top_k", "n"):
             set_(name, _number(name, getattr(self, name), integer=True))
         for name in (
             "temperature",
@@ -283,10 +289,33 @@ class SamplingParams:
         set_("logit_bias", bias)
         for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
             _require(isinstance(getattr(self, name), bool), f"{name} must be true or false")
+        _require(1 <= self.n <= MAX_SAMPLES, f"n must be between 1 and {MAX_SAMPLES}, got {self.n}")
+        if self.best_of is not None:
+            set_("best_of", _number("best_of", self.best_of, integer=True))
+            _require(
+                self.n <= self.best_of <= MAX_SAMPLES,
+                f"best_of must be between n ({self.n}) and {MAX_SAMPLES}, got {self.best_of}",
+            )
+        if self.greedy:  # vLLM's rule: several greedy samples would all be the same
+            _require(self.samples == 1, f"n must be 1 when using greedy sampling, got {self.samples}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def samples(self) -> int:
+        """How many samples are generated: best_of, else n."""
+        return self.best_of or self.n
+
+    def sample(self, index: int) -> SamplingParams:
+        """Sample `index`'s own parameters: one sample, seeded with seed + index (when seeded); the
+        prompt's logprobs, which every sample shares, with the first."""
+        seed = None if self.seed is None else self.seed + index
+        if seed is not None and seed >= SEED_RANGE[1]:
+            seed -= 2**64  # the same 64 bits
+        prompt_logprobs = self.prompt_logprobs if index == 0 else None
+        return replace(self, n=1, best_of=None, seed=seed, prompt_logprobs=prompt_logprobs)
 
     @property
     def penalized(self) -> bool:

@@ -55,7 +55,7 @@ class IntegerForm:
     @property
     def nibbles(self) -> bool:
         """Whether every q fits in 0..15 (two to a byte)."""
-        return bool(((self.q >= 0) & (self.q <= 15)).all())
+        return bool(self.q.min() >= 0 and self.q.max() <= 15)  # no temporary the size of q
 
 
 @dataclass(frozen=True)

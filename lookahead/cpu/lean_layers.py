@@ -231,8 +231,7 @@ def _lean_layer(layer: nn.Module, extension: ModuleType) -> Any:
 def _probe(model: nn.Module) -> list[torch.Tensor]:
     """Logits of a 3-token prefill, of a masked 2-token step after it (a root and its child) and
     of a padded batch of two."""
-    embeddings = model.get_input_embeddings()
-    vocab, device = embeddings.num_embeddings, embeddings.weight.device
+    vocab, device = model.get_input_embeddings().num_embeddings, next(model.parameters()).device
     tokens = [t % vocab for t in (11, 12, 13, 14, 15)]
     cache = DynamicCache(config=model.config)
     mask = torch.zeros(1, 1, 2, 5, device=device)

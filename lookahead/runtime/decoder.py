@@ -27,7 +27,7 @@ from ..algorithm.trie import NGramTrie
 from ..algorithm.verify import verify
 from ..config import DecoderConfig, LookaheadConfig, SamplingParams, TrieConfig
 from ..structured import CompiledGrammar, GrammarCompiler, GrammarMatcher
-from .generation import Generation, GenerationStats, Shared, StepOutput
+from .generation import Generation, GenerationStats, Shared, Siblings, StepOutput
 from .kv_pool import accepted_moves
 from .runner import ModelRunner, Work
 from .scheduler import schedule
@@ -158,10 +158,14 @@ class LookaheadDecoder:
         lookahead: LookaheadConfig | None = None,
         request_id: str = "",
         grammar: CompiledGrammar | None = None,
+        siblings: Siblings | None = None,
     ) -> Generation:
-        """A new generation. grammar: params.structured_outputs compiled (`self.grammars.compile`);
-        the backend compiles it before the request reaches the engine thread and passes it here.
-        Without it the constraint is compiled on the caller's thread."""
+        """One request's generation (one sample: start_samples starts several). grammar:
+        params.structured_outputs compiled (`self.grammars.compile`); the backend compiles it before
+        the request reaches the engine thread and passes it here. Without it the constraint is
+        compiled on the caller's thread."""
+        if params.samples > 1:
+            raise ValueError(f"{params.samples} samples are several generations: use start_samples")
         config = lookahead or self.config
         self.check_request(len(prompt_ids), params, config)
         shared = Shared(
@@ -180,7 +184,32 @@ class LookaheadDecoder:
         matcher = None
         if spec is not None:
             matcher = GrammarMatcher(grammar or self.grammars.compile(spec), self.vocab_size, spec.name)
-        return Generation(shared, list(prompt_ids), params, config, request_id, matcher)
+        return Generation(shared, list(prompt_ids), params, config, request_id, matcher, siblings)
+
+    def start_samples(
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams = SamplingParams(),
+        lookahead: LookaheadConfig | None = None,
+        request_id: str = "",
+        grammar: CompiledGrammar | None = None,
+    ) -> list[Generation]:
+        """The params.samples samples of one prompt (n, or best_of), sample i sampling with
+        params.sample(i). The first reads the prompt; the others take its KV once it has, and
+        every sample drafts from the others' outputs (see Siblings)."""
+        config = lookahead or self.config
+        self.check_request(len(prompt_ids), params, config)
+        siblings = Siblings()
+        if config.drafting and (self.trie is None or not config.learn):
+            capacity = (len(prompt_ids) + params.samples * params.max_tokens) * self.trie_depth + 1
+            siblings.trie = NGramTrie(capacity=capacity, max_depth=self.trie_depth)
+            siblings.trie.insert(list(prompt_ids))
+        samples = [
+            self.start(prompt_ids, params.sample(i), config, f"{request_id}#{i}", grammar, siblings)
+            for i in range(params.samples)
+        ]
+        siblings.leader = samples[0]
+        return samples
 
     def check_request(self, prompt_length: int, params: SamplingParams, lookahead: LookaheadConfig) -> None:
         """Raise ValueError for a request this decoder can never serve: an empty prompt, token ids
@@ -199,7 +228,7 @@ class LookaheadDecoder:
                 f"the prompt ({prompt_length} tokens) and max_tokens ({params.max_tokens}) exceed the "
                 f"model's context length ({self.context_length} tokens)"
             )
-        needed = self.runner.kv_bytes([self.longest(prompt_length, params, lookahead)])
+        needed = self.runner.kv_bytes([self.longest(prompt_length, params, lookahead)] * params.samples)
         if self.kv_cache_bytes and needed > self.kv_cache_bytes:
             raise ValueError(
                 f"the prompt ({prompt_length} tokens) and max_tokens ({params.max_tokens}) need "
@@ -258,11 +287,11 @@ class LookaheadDecoder:
         self.runner.pack()  # before any slot is looked up: packing moves requests between slots
         outputs: dict[int, StepOutput] = {}
         for gen in generations:
-            if gen.fed is None:
+            if gen.fed is None and not gen.awaits_leader:
                 failure = _isolated(gen, lambda gen=gen: self._admit(gen))
                 if failure is not None:
                     outputs[id(gen)] = failure
-        admitted = [gen for gen in generations if id(gen) not in outputs]
+        admitted = [gen for gen in generations if id(gen) not in outputs and gen.fed is not None]
         plan = schedule(admitted, self.step_token_budget, self.cost, self.max_speculative_batch)
         for gen, error in plan.failed:
             outputs[id(gen)] = _failure(gen, error)
@@ -281,7 +310,11 @@ class LookaheadDecoder:
         it does not learn)."""
         # The prefix cache is shared by the requests that learn: one that does not neither reads
         # nor leaves anything there (see _prompt_read), so no match crosses the two scopes.
-        cached = self.runner.admit(gen, use_prefix_cache=gen.config.learn and not gen.scoring_prompt)
+        leader = gen.leader
+        if leader is not None and leader.prefilled and not gen.scoring_prompt:  # its sibling's prompt
+            cached = self.runner.admit_after(gen, leader)
+        else:
+            cached = self.runner.admit(gen, use_prefix_cache=gen.config.learn and not gen.scoring_prompt)
         gen.fed = cached
         gen.stats.cached_prompt_tokens = cached
         gen.started = time.perf_counter()

@@ -10,11 +10,11 @@ import time
 from pathlib import Path
 
 import pytest
-from transformers import AutoTokenizer
 
 from lookahead import LookaheadConfig, LookaheadDecoder, SamplingParams
 from lookahead.config import StructuredOutputs
-from lookahead.models.embedded import prepare_default_model
+from lookahead.models.embedded import DEFAULT_MODEL
+from lookahead.models.loading import load_tokenizer
 from lookahead.structured import GrammarCompiler, GrammarLimitError
 from lookahead.structured import compiler as compiler_module
 from lookahead.structured.isolation import ChildFailure, run_in_child
@@ -28,7 +28,7 @@ EXPLODING = StructuredOutputs("regex", "[a-z]{1,3}(a{1000}){1000}")
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    return AutoTokenizer.from_pretrained(prepare_default_model())
+    return load_tokenizer(DEFAULT_MODEL)
 
 
 def compiler_for(tokenizer, **bounds) -> GrammarCompiler:
@@ -39,7 +39,10 @@ def children() -> set[int]:
     """This process's live child processes."""
     found = set()
     for task in Path("/proc/self/task").iterdir():
-        found |= {int(pid) for pid in (task / "children").read_text().split()}
+        try:
+            found |= {int(pid) for pid in (task / "children").read_text().split()}
+        except FileNotFoundError:  # the thread ended meanwhile
+            continue
     return {pid for pid in found if _alive(pid)}
 
 

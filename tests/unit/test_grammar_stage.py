@@ -9,14 +9,14 @@ import threading
 import time
 
 import pytest
-from transformers import AutoTokenizer
 
 from backend.engine import QUEUE_FULL, Engine, FailureCode, RequestState
 from backend.grammars import GrammarStage
 from backend.request import GenerationRequest
 from lookahead import LookaheadConfig, LookaheadDecoder, SamplingParams
 from lookahead.config import StructuredOutputs
-from lookahead.models.embedded import prepare_default_model
+from lookahead.models.embedded import DEFAULT_MODEL
+from lookahead.models.loading import load_tokenizer
 from lookahead.runtime.decoder import StepOutput
 from lookahead.structured import GrammarCompiler, GrammarLimitError
 from tests.unit.test_backend_request import Recorder, run_engine, steps, submit
@@ -29,7 +29,7 @@ SLOW = StructuredOutputs("grammar", "\n" * 60_000 + "x")  # seconds of GBNF dete
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    return AutoTokenizer.from_pretrained(prepare_default_model())
+    return load_tokenizer(DEFAULT_MODEL)
 
 
 def constrained(name: str, spec: StructuredOutputs, prompt_ids: tuple[int, ...] = (120,)) -> RequestState:

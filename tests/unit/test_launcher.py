@@ -12,6 +12,7 @@ import pytest
 from launcher import TritonServerError, cli, free_port, start_server, tritonserver
 from launcher.tritonserver import assemble_backend_directory
 from lookahead.contract import MODEL_ENV
+from tests.gguf_files import Q, write_gguf
 from tests.helpers import write_toy_repository
 
 
@@ -116,6 +117,24 @@ def test_model_override_passes_an_embedded_name_or_a_folder_as_an_absolute_path(
     assert prepared == ["qwen2.5-coder-0.5b-instruct", str(tmp_path / "my-model")]
     with pytest.raises(TritonServerError, match="'no-such-model' is neither an embedded model"):
         cli.model_override("no-such-model")
+
+
+def test_model_override_takes_a_gguf_file_by_its_absolute_path_and_refuses_a_bad_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    prepared: list[str] = []
+    monkeypatch.setattr(cli, "prepare_model", prepared.append)
+    monkeypatch.chdir(tmp_path)
+    write_gguf(tmp_path / "tiny.gguf", "qwen2", Q.Q8_0)
+    assert cli.model_override("tiny.gguf") == str(tmp_path / "tiny.gguf")
+    assert prepared == [str(tmp_path / "tiny.gguf")]
+    (tmp_path / "notes.gguf").write_text("not a model")
+    refused = r"^--model: notes.gguf is not a GGUF file \(it starts with b'not '"
+    with pytest.raises(TritonServerError, match=refused):
+        cli.model_override("notes.gguf")
+    with pytest.raises(TritonServerError, match=r"^--model: missing.gguf: no such GGUF file$"):
+        cli.model_override("missing.gguf")
+    assert len(prepared) == 1
 
 
 def test_an_unknown_model_stops_the_launcher_before_any_server_starts(

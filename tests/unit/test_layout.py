@@ -18,8 +18,9 @@ from tests.helpers import TINY_DECODE_SCRIPT
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "lookahead"
-# Top-level modules of the library every layer may import: settings, the serving contract, caches.
-BASE = {"config", "contract", "cache_dirs"}
+# Top-level modules of the library every layer may import: settings, the serving contract, caches,
+# child processes that end with their parent.
+BASE = {"config", "contract", "cache_dirs", "parent_death"}
 # sub-package -> the sub-packages it may import from, besides BASE
 ALLOWED = {
     "algorithm": {"algorithm"},
@@ -94,6 +95,7 @@ def test_the_base_modules_import_only_each_other() -> None:
     assert {target for target, _, _ in lookahead_imports(PACKAGE / "config.py")} == set()
     assert {target for target, _, _ in lookahead_imports(PACKAGE / "cache_dirs.py")} == set()
     assert {target for target, _, _ in lookahead_imports(PACKAGE / "contract.py")} == {"lookahead.config"}
+    assert {target for target, _, _ in lookahead_imports(PACKAGE / "parent_death.py")} == set()
 
 
 @pytest.mark.parametrize("package", sorted(PROJECT))

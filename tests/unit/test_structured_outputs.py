@@ -8,14 +8,14 @@ import re
 
 import pytest
 import torch
-from transformers import AutoTokenizer
 
 from bench.json_extraction import json_extraction_prompts, schema_errors
 from lookahead import LookaheadConfig, LookaheadDecoder, NGramTrie, SamplingParams
 from lookahead.algorithm.draft import FROM_GRAMMAR, Draft
 from lookahead.algorithm.retrieval import retrieve_draft
 from lookahead.config import DECODING_MODES, StructuredOutputs
-from lookahead.models.embedded import prepare_default_model
+from lookahead.models.embedded import DEFAULT_MODEL
+from lookahead.models.loading import load_tokenizer
 from lookahead.structured import GrammarCompiler, GrammarMatcher
 
 VOCAB = 49152  # SmolLM2's tokenizer, on tiny random models of the same vocabulary
@@ -40,7 +40,7 @@ CONSTRAINTS = {
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    return AutoTokenizer.from_pretrained(prepare_default_model())
+    return load_tokenizer(DEFAULT_MODEL)
 
 
 @pytest.fixture(scope="module")
