@@ -5,7 +5,7 @@
 #   scripts/gpu_check.sh --device cpu --smoke     # the same steps on the CPU, a tiny model shape
 #
 # 1. The lossless tests (tiny random models against transformers' own greedy generate():
-#    tests/unit/test_decoder.py, test_batching.py) with the models on the device, fp32 and bf16.
+#    tests/unit/runtime/test_decoder.py, test_batching.py) with the models on the device, fp32 and bf16.
 # 2. The forward-cost curve (1..64 new tokens after 256 cached) and a decoder benchmark (plain vs
 #    lookahead, per-step overhead) on a random-weight model of Qwen2.5-7B's shape in bf16
 #    (bench/device_check.py; --smoke: a tiny shape).
@@ -33,7 +33,7 @@ status=0
 for dtype in float32 bfloat16; do
     echo "== lossless tests on $device, $dtype"
     LOOKAHEAD_TEST_DEVICE="$device" LOOKAHEAD_TEST_DTYPE="$dtype" timeout 180 "$python" -m pytest -q \
-        -p no:cacheprovider tests/unit/test_decoder.py tests/unit/test_batching.py \
+        -p no:cacheprovider tests/unit/runtime/test_decoder.py tests/unit/runtime/test_batching.py \
         -k "lossless or match or share" || status=1
 done
 echo "== forward cost and decoder benchmark on $device"

@@ -5,7 +5,7 @@ no attention mask, because CUDA's fast kernels refuse that combination; with a m
 repeats every key and value head to the query heads' count. A draft-tree verification always
 carries a mask, so on the default model (9 query heads over 3 key/value heads) each layer of a
 16-token step copied 3x its whole KV cache. torch's CPU kernel takes `enable_gqa` with a mask
-and computes every head exactly as on the repeated copy (bit for bit: tests/test_attention.py),
+and computes every head exactly as on the repeated copy (bit for bit: tests/unit/cpu/test_attention.py),
 so `grouped_sdpa` passes the grouping through and otherwise is `sdpa`.
 """
 

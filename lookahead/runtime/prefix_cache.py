@@ -7,7 +7,7 @@ does not recompute. Entries are whole prompts, least recently used dropped first
 bound on the KV positions held; a lookup takes the longest common prefix with any of them.
 Logits over a cached prefix equal those over a recomputed one up to the attention kernel's
 summation order, which depends on how many rows it is fed (~1e-7 relative, as between a plain
-prefill and the decoder's own steps; tests/test_prefix_cache.py).
+prefill and the decoder's own steps; tests/unit/runtime/test_prefix_cache.py).
 
 A request with `learn` off leaves no trace here (the decoder stores no prompt of it, and its
 lookups do not refresh an entry's place): what it reads is what any client can read.

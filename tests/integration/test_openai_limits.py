@@ -18,7 +18,7 @@ import pytest
 
 from launcher import TritonServer
 from tests.integration.servers import MAX_PROMPT_TOKENS
-from tests.unit.test_frontend_http import Endpoint, start
+from tests.unit.frontend.test_http import Endpoint, start
 
 HEADER_TIMEOUT_S = 2.0
 MAX_CONCURRENT = 2

@@ -15,7 +15,7 @@ from lookahead.algorithm.planner import Calibration, CostModel
 from lookahead.config import LookaheadConfig
 from lookahead.runtime.scheduler import DRAFT_SHARE_BESIDE_PROMPT, schedule
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 POINTS = [2**i for i in range(8)]  # 1 .. 128 tokens fed
 FLAT = {q: 1.0 for q in POINTS}  # every width costs one forward: every likely node pays
 

@@ -16,7 +16,7 @@ from client.__main__ import format_stats, main, parse_args, sampling_options
 from client.api import request_inputs
 from launcher import free_port
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[3]
 
 
 def test_request_inputs_follow_the_vllm_contract() -> None:

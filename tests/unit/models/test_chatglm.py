@@ -15,7 +15,7 @@ from lookahead.models.chatglm import ChatGLMFormatError, glm_config
 from lookahead.models.chatglm_tokenizer import SPECIAL_TOKENS
 from lookahead.models.loading import load_model
 
-FIXTURE = Path(__file__).resolve().parents[1] / "data" / "chatglm3-tiny"
+FIXTURE = Path(__file__).resolve().parents[2] / "data" / "chatglm3-tiny"
 REFERENCES = [json.loads(line) for line in (FIXTURE / "reference.jsonl").read_text().splitlines()]
 CONFIG = json.loads((FIXTURE / "config.json").read_text())
 

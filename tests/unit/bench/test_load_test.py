@@ -26,7 +26,7 @@ from bench.load_test import (
 from bench.report import write_csv
 from bench.servers import BenchmarkError
 
-FIXTURE = Path(__file__).parents[1] / "data" / "perf_analyzer_profile.json"
+FIXTURE = Path(__file__).parents[2] / "data" / "perf_analyzer_profile.json"
 MS = 1_000_000  # nanoseconds
 
 

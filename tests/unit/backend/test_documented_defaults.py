@@ -10,7 +10,7 @@ import pytest
 from backend.config import PARAMETERS, default_value
 from tests.helpers import pbtxt_parameters
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 EMPTY = "(empty)"  # how the README shows a parameter whose default is the empty string
 
 

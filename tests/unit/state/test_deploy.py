@@ -10,7 +10,7 @@ import yaml
 from lookahead.contract import SYNC_ENV
 from lookahead.state.sync import check_url
 
-MANIFEST = Path(__file__).resolve().parents[2] / "deploy" / "kubernetes.yaml"
+MANIFEST = Path(__file__).resolve().parents[3] / "deploy" / "kubernetes.yaml"
 
 
 def documents() -> dict[tuple[str, str], dict]:

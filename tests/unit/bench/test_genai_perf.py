@@ -12,7 +12,7 @@ from bench.genai_perf import EMPTY_EXPORT, EXPORT_ATTEMPTS, parse_args, run_poin
 from bench.servers import BenchmarkError
 from lookahead.contract import MODEL_ENV
 
-REPOSITORY = Path(__file__).resolve().parents[2] / "model_repository"
+REPOSITORY = Path(__file__).resolve().parents[3] / "model_repository"
 
 
 def hf_folder(path: Path) -> Path:

@@ -13,7 +13,7 @@ import pytest
 from bench import BENCHMARKS
 from bench.__main__ import main
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def test_help_lists_every_benchmark(capsys: pytest.CaptureFixture) -> None:

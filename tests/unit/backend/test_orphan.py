@@ -46,8 +46,8 @@ def test_an_orphaned_process_runs_its_last_work_and_exits(tmp_path):
         text=True,
         check=True,
         timeout=60,
-        cwd=Path(__file__).resolve().parents[2],
-        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
+        cwd=Path(__file__).resolve().parents[3],
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[3])},
     )
     child = int(middle.stdout.split()[0])
     deadline = time.monotonic() + 60
