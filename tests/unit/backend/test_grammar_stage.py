@@ -19,7 +19,7 @@ from lookahead.models.embedded import DEFAULT_MODEL
 from lookahead.models.loading import load_tokenizer
 from lookahead.runtime.decoder import StepOutput
 from lookahead.structured import GrammarCompiler, GrammarLimitError
-from tests.unit.backend.test_request import Recorder, run_engine, steps, submit
+from tests.unit.backend.fakes import Recorder, run_engine, steps, submit
 from tests.unit.structured.test_grammar_bounds import children
 
 VOCAB = 49152
