@@ -1,4 +1,4 @@
-"""Hostile structured-output constraints against the shared tritonserver while a stream runs on the
+"""Hostile structured-output constraints against a real tritonserver while a stream runs on the
 same model: each gets INVALID_ARG (at once for a size cap or a remembered refusal, at the compile
 timeout otherwise, mid-generation for a lexer that outgrows llguidance's limits), the stream's
 longest gap between responses stays within a few steps, and a short request is served meanwhile."""
@@ -9,15 +9,18 @@ import json
 import queue
 import statistics
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
 import tritonclient.grpc as grpcclient
 
 from launcher import TritonServer
+from tests.integration.servers import copy_repository, launch, set_parameter
 from tests.integration.test_reliability import stub_pids
 from tests.integration.test_server import grpc_inputs, is_ready, post
 
-TIMEOUT_S = 10  # grammar_compile_timeout_s (the default)
+TIMEOUT_S = 2  # grammar_compile_timeout_s of the test copy
 # A few steps of the default model on two loaded cores (a compile that stalls the engine stalls
 # it for tens of seconds).
 LONGEST_GAP_S = 1.5
@@ -34,6 +37,16 @@ HOSTILE = [
     ("guided_grammar", GBNF_CHAIN, TOO_BIG),
     ("guided_regex", "(a{1000}){1000}", "guided_regex: lexer error: too many expressions constructed"),
 ]
+
+
+@pytest.fixture(scope="module")
+def guarded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TritonServer]:
+    root = tmp_path_factory.mktemp("hostile")
+    repository = copy_repository(root / "repository", root / "state", ("baseline",))
+    config = repository / "baseline" / "config.pbtxt"
+    config.write_text(set_parameter(config.read_text(), "grammar_compile_timeout_s", str(TIMEOUT_S)))
+    with launch(repository, root / "server.log") as server:
+        yield server
 
 
 class TimedStream:
@@ -74,8 +87,9 @@ def rss_mib(pid: int) -> float:
     return 0.0
 
 
-def test_hostile_constraints_are_refused_while_a_stream_on_the_model_runs_on(server):
-    [stub] = [pid for pid in stub_pids(server) if "baseline" in Path(f"/proc/{pid}/cmdline").read_text()]
+def test_hostile_constraints_are_refused_while_a_stream_on_the_model_runs_on(guarded):
+    server = guarded
+    [stub] = stub_pids(server)
     rss_before = rss_mib(stub)
     stream = TimedStream(server)
     options = {"max_tokens": 2048, "ignore_eos": True}
