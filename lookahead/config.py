@@ -15,7 +15,7 @@ from typing import Any
 
 DECODING_MODES = ("hier", "par", "one")
 # What proposes drafts (lookahead/algorithm/drafters: one module each, registered under its name).
-DRAFTER_NAMES = ("trie",)
+DRAFTER_NAMES = ("trie", "hybrid", "recycled")
 # "packed": the fast CPU path (lookahead/cpu); "stock": transformers' layers; "auto": packed where it runs.
 LINEAR_KERNELS = ("auto", "packed", "stock")
 
@@ -40,7 +40,9 @@ class LookaheadConfig:
     learn: whether the request's output feeds the instance's global trie (and, with fleet sync,
     every instance's); off, it still drafts from what the trie knows.
     drafter: which drafter proposes the drafts (one of DRAFTER_NAMES; "trie": the request's own
-    trie, the shared trie and the request's copy of its longest earlier repeat).
+    trie, the shared trie and the request's copy of its longest earlier repeat; "hybrid": those,
+    and the model's recycled next-token candidates where they leave probability unclaimed;
+    "recycled": the model's recycled candidates alone).
     """
 
     use_lookahead: bool = True

@@ -21,7 +21,7 @@ one agreeing token) a short draft.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 KEY = 4  # shortest repeat looked up: shorter contexts are the tries' job
 MAX_CANDIDATES = 16  # most recent earlier occurrences of the key compared per lookup
@@ -31,10 +31,12 @@ RESUME_WINDOW = 32  # source tokens from a copy's break on where copying may res
 
 @dataclass(frozen=True)
 class Copy:
-    """`tokens` followed an earlier text whose last `matched` tokens equal the latest ones."""
+    """`tokens` followed an earlier text whose last `matched` tokens equal the latest ones; the
+    first `from_prompt` of them are the prompt's, the rest the request's own output."""
 
     tokens: list[int]
     matched: int
+    from_prompt: int = field(default=0, compare=False)
 
     def conditional(self, index: int) -> float:
         """Probability that tokens[index] comes next, given that tokens[:index] came."""
@@ -43,7 +45,8 @@ class Copy:
 
 
 class SpanIndex:
-    """A request's token ids and the end positions of each of their KEY-grams."""
+    """A request's token ids and the end positions of each of their KEY-grams; the tokens it
+    starts with are the prompt."""
 
     def __init__(self, tokens: Iterable[int] = ()) -> None:
         self._ids: list[int] = []
@@ -51,6 +54,11 @@ class SpanIndex:
         self._cursor = -1  # position of the token the latest copy proposes next, -1 for none
         self._break = -1  # position of the source token where the latest copy broke off, -1 for none
         self.extend(tokens)
+        self._prompt_length = len(self._ids)
+
+    def _copy(self, start: int, max_tokens: int, matched: int) -> Copy:
+        """What follows position `start`, after `matched` agreeing tokens."""
+        return Copy(self._ids[start : start + max_tokens], matched, max(0, self._prompt_length - start))
 
     def extend(self, tokens: Iterable[int]) -> None:
         ids = self._ids
@@ -81,7 +89,7 @@ class SpanIndex:
         if best_end < 0:
             return self._resumed(max_tokens)
         self._cursor = best_end
-        return Copy(ids[best_end : best_end + max_tokens], best_matched)
+        return self._copy(best_end, max_tokens, best_matched)
 
     def _resumed(self, max_tokens: int) -> Copy | None:
         """The broken copy again, from the first source token after the break that equals the
@@ -94,7 +102,7 @@ class SpanIndex:
         for position in range(start, min(start + RESUME_WINDOW, n - 1)):
             if ids[position] == ids[-1]:
                 end = position + 1
-                return Copy(ids[end : end + max_tokens], self._agreement(end, 1))
+                return self._copy(end, max_tokens, self._agreement(end, 1))
         return None
 
     def _agreement(self, end: int, known: int) -> int:

@@ -23,12 +23,14 @@ from typing import Any, Protocol
 import torch
 
 from ..algorithm.planner import Calibration, CostModel
+from ..algorithm.recycling import RecycleTable
 from ..algorithm.trie import NGramTrie
 from ..algorithm.verify import verify
 from ..config import DecoderConfig, LookaheadConfig, SamplingParams, StructuredOutputs, TrieConfig
 from ..structured import GrammarCompiler, GrammarMatcher
 from .generation import Generation, GenerationStats, Shared, StepOutput
 from .kv_pool import accepted_moves
+from .recycling import recycle
 from .runner import ModelRunner, Work
 from .scheduler import schedule
 from .step_inputs import Segment
@@ -104,6 +106,10 @@ class LookaheadDecoder:
         )
         self.cost = CostModel.for_device(self.device.type, dict(cost_prior) if cost_prior else None)
         self.calibration = Calibration.uniform(INITIAL_CALIBRATION)
+        # The model's own next-token candidates per token, from every verified row (drafters
+        # that recycle them read it; kept whatever this instance's default drafter is, so a
+        # request choosing one finds it warm).
+        self.recycled = RecycleTable(self.vocab_size) if config.drafting else None
         # Where LookaheadConfig.debug lines go (the backend sends them to the server log).
         self.debug_log: Callable[[str], None] = logging.getLogger("lookahead").info
         self._stop_words: dict[tuple[int | str, ...], frozenset[int]] = {}
@@ -155,6 +161,7 @@ class LookaheadDecoder:
             device=self.device,
             trie=self.trie,
             trie_depth=self.trie_depth,
+            recycled=self.recycled,
             calibration=self.calibration,
             stop_words=self.stop_word_ids(config.stop_words),
             debug_log=self.debug_log,
@@ -288,6 +295,9 @@ class LookaheadDecoder:
                 verdicts[id(gen)] = verify(segment.draft, logits, gen.selector)
             except Exception as error:
                 failed[id(gen)] = _failure(gen, error)
+                continue
+            if self.recycled is not None:
+                recycle(self.recycled, segment.draft, logits, verdicts[id(gen)].accepted_nodes)
         self.runner.pool.compact(
             [
                 move

@@ -19,6 +19,7 @@ import torch
 from ..algorithm.draft import FROM_GRAMMAR, Draft
 from ..algorithm.drafters import Drafter, DraftQuery, DraftRequest, make_drafter
 from ..algorithm.planner import Calibration
+from ..algorithm.recycling import RecycleTable
 from ..algorithm.trie import NGramTrie, TrieWriter
 from ..algorithm.verify import Verdict
 from ..config import LookaheadConfig, SamplingParams
@@ -74,6 +75,7 @@ class Shared:
     device: torch.device
     trie: NGramTrie | None  # the instance's global trie
     trie_depth: int
+    recycled: RecycleTable | None  # the model's recycled candidates (algorithm/recycling.py)
     calibration: Calibration  # the decoder's, learned from every request
     stop_words: frozenset[int]
     debug_log: Callable[[str], None]
@@ -133,6 +135,7 @@ class Generation:
                     shared.trie_depth,
                     self.stop_tokens,
                     self.stop_words,
+                    shared.recycled,
                 )
             )
         # The shared trie learns outputs, keyed by the prompt's last tokens so that they can be queried.

@@ -135,6 +135,7 @@ import json, sys
 sys.modules["torch"] = None  # any import of torch raises
 from lookahead.algorithm.drafters import DRAFTERS
 from lookahead.algorithm.planner import CostModel
+import lookahead.algorithm.recycling
 from lookahead.runtime.scheduler import schedule
 import lookahead.algorithm.verify
 print(json.dumps({"plan": len(schedule([], 8, CostModel.for_device("cpu")).scheduled),
@@ -144,4 +145,4 @@ print(json.dumps({"plan": len(schedule([], 8, CostModel.for_device("cpu")).sched
         [sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=120
     )
     assert finished.returncode == 0, finished.stderr
-    assert json.loads(finished.stdout) == {"plan": 0, "drafters": ["trie"]}
+    assert json.loads(finished.stdout) == {"plan": 0, "drafters": ["hybrid", "recycled", "trie"]}
