@@ -166,7 +166,7 @@ class LookaheadDecoder:
             stop_words=self.stop_word_ids(config.stop_words),
             debug_log=self.debug_log,
             step=lambda gen: self.step([gen])[0],
-            release=self.runner.pool.release,
+            release=self._release,
         )
         grammar = self.grammar_matcher(params.structured_outputs)
         return Generation(shared, list(prompt_ids), params, config, request_id, grammar)
@@ -336,6 +336,14 @@ class LookaheadDecoder:
             return
         # The root's entry is the prompt's last one: the first prompt_len entries are the prompt's.
         self.runner.keep_prompt(gen.ids[: gen.prompt_len], segment.slot)
+
+    def _release(self, gen: Generation) -> None:
+        """Give a generation's slot back; a request that ran to its end first leaves its prompt and
+        output there for the prefix cache: a conversation's next turn sends them back as its prompt."""
+        if gen.finish_reason in ("stop", "length") and gen.config.learn and not gen.scoring_prompt:
+            # every committed token but the last has its KV entry (the last one was never fed)
+            self.runner.keep_prompt(gen.ids[:-1], self.runner.pool.slot_of(gen))
+        self.runner.pool.release(gen)
 
 
 def _isolated(gen: Generation, work: Callable[[], StepOutput | None]) -> StepOutput | None:
