@@ -6,7 +6,7 @@ into the KV pool, asks the scheduler (scheduler.py) what each request feeds with
 token budget (a chunk of its prompt, or its root and the draft nodes that pay), has the runner
 (runner.py, which owns the model's forwards, the KV pool and the prefix cache) feed them all as
 one ragged row, verifies each draft and commits what the model accepted. It also holds the
-online cost model and calibration that decide how much drafting pays.
+online cost model and acceptance predictor that decide how much drafting pays.
 
     gen = decoder.start(prompt_ids, SamplingParams(max_tokens=64))
     while not gen.finished:
@@ -22,10 +22,12 @@ from typing import Any, Protocol
 
 import torch
 
-from ..algorithm.planner import Calibration, CostModel
+from ..algorithm.acceptance import AcceptancePredictor
+from ..algorithm.draft import Draft
+from ..algorithm.planner import CostModel
 from ..algorithm.recycling import RecycleTable
 from ..algorithm.trie import NGramTrie
-from ..algorithm.verify import verify
+from ..algorithm.verify import Verdict, verify
 from ..config import DecoderConfig, LookaheadConfig, SamplingParams, StructuredOutputs, TrieConfig
 from ..structured import GrammarCompiler, GrammarMatcher
 from .generation import Generation, GenerationStats, Shared, StepOutput
@@ -39,10 +41,6 @@ from .stop_words import stop_word_ids
 __all__ = ["Generation", "GenerationStats", "LookaheadDecoder", "StepOutput"]
 
 STOP_WORDS_CACHED = 64  # distinct stop_words lists whose token ids are kept
-
-# Retrieval's conditional probabilities overstate acceptance until calibrated, so a cold decoder
-# trusts them this far.
-INITIAL_CALIBRATION = 0.7
 
 
 class Servable(Protocol):
@@ -105,13 +103,17 @@ class LookaheadDecoder:
             tokenizer, self.eos_token_ids, self.vocab_size, grammar_compile_timeout_s
         )
         self.cost = CostModel.for_device(self.device.type, dict(cost_prior) if cost_prior else None)
-        self.calibration = Calibration.uniform(INITIAL_CALIBRATION)
+        # How likely the model is to accept each draft node, learned from every verdict.
+        self.acceptance = AcceptancePredictor()
         # The model's own next-token candidates per token, from every verified row (drafters
         # that recycle them read it; kept whatever this instance's default drafter is, so a
         # request choosing one finds it warm).
         self.recycled = RecycleTable(self.vocab_size) if config.drafting else None
         # Where LookaheadConfig.debug lines go (the backend sends them to the server log).
         self.debug_log: Callable[[str], None] = logging.getLogger("lookahead").info
+        # Called with every verified step of every request (generation, the draft fed, the
+        # verdict), before the request commits it: benchmarks record steps through it.
+        self.recorder: Callable[[Generation, Draft, Verdict], None] | None = None
         self._stop_words: dict[tuple[int | str, ...], frozenset[int]] = {}
         self.stop_word_ids(config.stop_words)  # a bad instance setting fails here, not in a request
 
@@ -162,7 +164,7 @@ class LookaheadDecoder:
             trie=self.trie,
             trie_depth=self.trie_depth,
             recycled=self.recycled,
-            calibration=self.calibration,
+            acceptance=self.acceptance,
             stop_words=self.stop_word_ids(config.stop_words),
             debug_log=self.debug_log,
             step=lambda gen: self.step([gen])[0],
@@ -309,7 +311,10 @@ class LookaheadDecoder:
             ]
         )
         elapsed = time.perf_counter() - started
-        self.cost.observe(sum(work.segment.width for work in works), elapsed)
+        width = sum(work.segment.width for work in works)
+        self.cost.observe(width, elapsed)
+        if all(not work.segment.prompt for work in works):
+            self.cost.observe_yield(sum(len(verdict.tokens) for verdict in verdicts.values()), width)
         outputs = dict(failed)
         for work, logits in zip(works, rows):
             gen, segment = work.gen, work.segment
@@ -321,6 +326,8 @@ class LookaheadDecoder:
             else:
                 gen.stats.steps += 1
                 gen.stats.forward_seconds.append(elapsed)
+            if self.recorder is not None:
+                self.recorder(gen, segment.draft, verdict)
             gen.record_verdict(segment.draft, verdict)
             chosen = logits[verdict.rows] if gen.cumulative_logprob is not None else None
             outputs[id(gen)] = _isolated(

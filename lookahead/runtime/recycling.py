@@ -24,12 +24,10 @@ def recycle(table: RecycleTable, draft: Draft, logits: torch.Tensor, accepted_no
     on_path = set(path)
     order = [i for i in range(len(draft)) if i not in on_path] + path
     rows = logits.float()
-    if order != list(range(len(draft))):
-        rows = rows[order]
     values, candidates = rows.topk(table.k, dim=-1)
     probs = torch.exp(values - torch.logsumexp(rows, dim=-1, keepdim=True))
     table.update(
         np.asarray([draft.tokens[i] for i in order]),
-        candidates.cpu().numpy().astype(np.int32),
-        probs.cpu().numpy().astype(np.float16),
+        candidates.cpu().numpy().astype(np.int32)[order],
+        probs.cpu().numpy().astype(np.float16)[order],
     )
