@@ -369,3 +369,38 @@ def test_the_trie_survives_a_restart(tmp_path, default_model):
         warm = generate(warm_server, "lookahead", body)
     assert warm["text_output"] == cold[0]["text_output"] == cold[1]["text_output"]
     assert warm["total_accepted_draft_tokens"] > max(reply["total_accepted_draft_tokens"] for reply in cold)
+
+
+def test_a_request_chooses_its_drafter_and_the_output_stays_the_same(server, expected):
+    """Per request, `drafter` in sampling_parameters: the model's recycled candidates alone, the
+    tries and copies, or both; each request's debug lines name the sources its drafts came from,
+    and every output is the library's."""
+    options = {"max_tokens": MAX_TOKENS, "temperature": 0, "debug": True}
+    for drafter in ("recycled", "trie", "hybrid"):
+        reply = generate(
+            server,
+            "lookahead",
+            {"text_input": PROMPT, "id": f"drafter-{drafter}", "parameters": {**options, "drafter": drafter}},
+        )
+        assert reply["text_output"] == PROMPT + expected["text"]
+    log = server.log_file.read_text(errors="replace")
+
+    def sources(drafter: str) -> list[dict[str, int]]:
+        lines = re.findall(rf"lookahead request drafter-{drafter} .*?: draft \d+ tokens \(([^)]*)\)", log)
+        return [
+            {name.strip(): int(count) for name, count in re.findall(r"([a-z ]+) (\d+)", line)}
+            for line in lines
+        ]
+
+    recycled, tries = sources("recycled"), sources("trie")
+    assert recycled and tries
+    # the earlier requests taught the table what the model says after each token of this answer
+    assert sum(step["recycled"] for step in recycled) > 0
+    assert all(step["copy"] == step["request trie"] == step["shared trie"] == 0 for step in recycled)
+    assert all(step["recycled"] == 0 for step in tries)
+    status, text = post(
+        server,
+        "/v2/models/lookahead/generate",
+        {"text_input": PROMPT, "parameters": {"max_tokens": 4, "drafter": "oracle"}},
+    )
+    assert status == 400 and "drafter must be one of trie, hybrid, recycled, got 'oracle'" in text
