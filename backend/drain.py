@@ -21,7 +21,8 @@ import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-DRAIN_ENV = "LOOKAHEAD_DRAIN_DIR"
+from lookahead.contract import DRAIN_ENV
+
 REQUEST_FILE = "drain"
 POLL_S = 0.2
 
@@ -87,6 +88,15 @@ class DrainWatch:
         """The instance is finalizing: stop watching and unregister."""
         self.stopped.set()
         _pid_file(self.folder, self.pid, "serving").unlink(missing_ok=True)
+
+    def leave(self) -> None:
+        """The server is gone without a drain (killed, its launcher with it, which will not remove the
+        folder): unregister, and the last instance to leave removes the folder."""
+        self.stop()
+        _pid_file(self.folder, self.pid, "drained").unlink(missing_ok=True)
+        registered = {int(p.stem) for p in self.folder.glob("*.*") if p.stem.isdigit()}
+        if not any(_alive(pid) for pid in registered):
+            shutil.rmtree(self.folder, ignore_errors=True)
 
 
 def watch_drain(

@@ -1,7 +1,7 @@
 """Is a draft worth its forward? Expected tokens against the forward's cost.
 
 A forward over q new tokens costs cost(q) relative to a one-token forward. On a GPU cost is
-nearly flat up to tens of tokens; on a small CPU it doubles by q=16 (see STOCK_CPU_PRIOR).
+nearly flat up to tens of tokens; on a CPU it grows several-fold by q=64 (cost_priors.py).
 A draft whose nodes are reached with probabilities w_i (each node's acceptance estimate, see
 acceptance.py) yields 1 + sum(w_i) tokens in expectation. We keep the top-m nodes by weight (a
 connected subtree, since weights never grow along a path). Which m? Decoding wants the most
@@ -26,14 +26,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from .cost_priors import GPU_PRIOR, STOCK_CPU_PRIOR
 from .draft import FROM_COPY, Draft
 
-# Relative forward cost by number of new tokens, where nothing better is known (the fast CPU
-# path brings its own, measured per kernel variant: lookahead/cpu/cost_priors.py). Stock
-# transformers layers, SmolLM2-135M fp32, 2 CPU threads, 256 cached tokens (scripts/bench_forward.py).
-STOCK_CPU_PRIOR = {1: 1.0, 2: 1.06, 4: 1.5, 8: 1.8, 16: 2.1, 32: 2.4, 64: 3.4, 128: 5.5}
-# A GPU streams the weights once whatever the tokens fed: nearly flat up to tens of tokens.
-GPU_PRIOR = {1: 1.0, 2: 1.02, 4: 1.03, 8: 1.05, 16: 1.08, 32: 1.15, 64: 1.3, 128: 1.7}
 _EMA = 0.1
 # Forward times a cost point is estimated from: their median, since one stalled step (the OS
 # running something else, a page fault) can take ten times a normal one, and an average would
@@ -97,7 +92,7 @@ class CostModel:
 
     @classmethod
     def for_device(cls, device_type: str, prior: dict[int, float] | None = None) -> CostModel:
-        """Start from `prior` (the execution path's measured curve), else from the device's default."""
+        """Start from `prior` (the execution path's curve), else from the device's (cost_priors.py)."""
         if prior is not None:
             return cls(dict(prior))
         return cls(GPU_PRIOR if device_type == "cuda" else STOCK_CPU_PRIOR)
@@ -145,7 +140,7 @@ _PRIOR_EVIDENCE = 1.0
 # Drafters' conditional probabilities overstate acceptance: a cold estimate trusts them this far
 # (the class calibration's starting ratio, and the acceptance predictor's).
 INITIAL_CALIBRATION = 0.7
-# A request's own class calibration learns at this rate (benchmarks/acceptance.py runs the class
+# A request's own class calibration learns at this rate (bench/acceptance.py runs the class
 # calibration as a request did, to compare it with the acceptance predictor).
 REQUEST_CALIBRATION_RATE = 0.15
 

@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 
+from ..algorithm.cost_priors import PRIORS
 from ..config import LINEAR_KERNELS
 from .attention import use_grouped_sdpa
-from .cost_priors import PRIORS
 from .extension import (
     FastPathUnavailable,
     Variant,
@@ -27,7 +27,7 @@ from .extension import (
     why_no_variant,
 )
 from .lean_layers import use_lean_layers
-from .packed_linear import pack_linear_layers, search_integer_forms
+from .packed_linear import KnownForms, pack_linear_layers, search_integer_forms
 
 logger = logging.getLogger("lookahead")
 
@@ -49,9 +49,12 @@ class FastPath:
         return f"packed {self.variant} kernel, {layers}"
 
 
-def apply_fast_path(model: Any, linear_kernel: str = "auto", variant: Variant | None = None) -> FastPath:
+def apply_fast_path(
+    model: Any, linear_kernel: str = "auto", variant: Variant | None = None, known: KnownForms | None = None
+) -> FastPath:
     """Put `model` on the linear kernel named `linear_kernel` ("auto": packed where it can run),
-    on `variant` of the kernel (None: `chosen_variant()`).
+    on `variant` of the kernel (None: `chosen_variant()`). `known`: the integer forms the caller
+    knows (see packed_linear.KnownForms); on the stock kernel the caller fills those layers itself.
 
     Raises ValueError for an unknown name and FastPathUnavailable when "packed" cannot run here.
     """
@@ -69,7 +72,7 @@ def apply_fast_path(model: Any, linear_kernel: str = "auto", variant: Variant | 
             raise
         logger.info("linear_kernel auto: stock (%s)", error)
         return FastPath("stock", reason=str(error))
-    pack_linear_layers(model, extension)
+    pack_linear_layers(model, extension, known)
     lean = use_lean_layers(model, extension)
     if not lean:
         logger.info("packed kernel: %s keeps transformers' decoder layers", type(model).__name__)
@@ -77,7 +80,7 @@ def apply_fast_path(model: Any, linear_kernel: str = "auto", variant: Variant | 
 
 
 def _check_model(model: Any) -> None:
-    parameter = next(model.parameters())
+    parameter = next(p for p in model.parameters() if not p.is_meta)  # a known form's layer is empty
     if parameter.device.type != "cpu":
         raise FastPathUnavailable(f"the packed kernel runs on the CPU, not {parameter.device}")
     if parameter.dtype != torch.float32:

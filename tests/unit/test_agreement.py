@@ -6,7 +6,7 @@ import random
 
 import torch
 
-from lookahead.benchmarks.agreement import Agreement, compare, summary
+from bench.agreement import Agreement, compare, summary
 from lookahead.models.loading import LoadedModel
 from tests.helpers import ByteTokenizer, build_tiny_model, repetitive_prompt
 
