@@ -192,7 +192,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--url", default=None, help="gRPC host:port of a running server (else one is started)"
     )
     parser.add_argument("--model-repository", type=Path, default=REPO_ROOT / "model_repository")
-    parser.add_argument("--models", nargs="+", default=["lookahead", "baseline"])
+    parser.add_argument(
+        "--models",
+        nargs="+",
+        default=["lookahead", "baseline"],
+        help="served models; NAME:DRAFTER picks a drafter",
+    )
     parser.add_argument("--baseline", default="baseline")
     parser.add_argument("--concurrency", type=parse_concurrency, default=(1, 4))
     parser.add_argument("--conversations", type=int, default=4, help="conversations per level")

@@ -90,8 +90,12 @@ def prompts_of(name: str, tokenizer: str) -> list[str]:
 
 
 def complete(url: str, model: str, prompt: str, max_tokens: int, extra: dict[str, Any]) -> Completion:
+    """One streamed completion. `model` may name a drafter after a colon (`lookahead:hybrid`):
+    the served model with that per-request drafter, so one server measures every drafter."""
+    name, _, drafter = model.partition(":")
+    options = {**extra, "drafter": drafter} if drafter else extra
     chunks: list[Chunk] = list(
-        LookaheadClient(url, model=model).stream(prompt, max_tokens=max_tokens, **extra)
+        LookaheadClient(url, model=name).stream(prompt, max_tokens=max_tokens, **options)
     )
     return Completion.from_chunks(chunks)
 
@@ -209,7 +213,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--url", default=None, help="gRPC host:port of a running server (else one is started)"
     )
     parser.add_argument("--model-repository", type=Path, default=REPO_ROOT / "model_repository")
-    parser.add_argument("--models", nargs="+", default=["lookahead", "baseline"])
+    parser.add_argument(
+        "--models",
+        nargs="+",
+        default=["lookahead", "baseline"],
+        help="served models; NAME:DRAFTER picks a drafter",
+    )
     parser.add_argument("--baseline", default="baseline", help="the model every ratio and text is against")
     parser.add_argument("--sets", nargs="+", default=["code_edit", "doc_qa", "mtbench", "humaneval"])
     parser.add_argument("--concurrency", type=parse_concurrency, default=(1, 4))
