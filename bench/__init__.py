@@ -1,10 +1,11 @@
 """Every measurement of the project, run as `python -m bench NAME [ARGS]` (`--help` lists them).
 
 In one process, on the library: `decoding`, `forward_cost`, `retrieval_cost`, `grammar_cost`,
-`oracle_bound`, `agreement`, `device_check`. Through real servers (tritonserver, the OpenAI
-endpoint, llama-server, Redis): `load_test`, `genai_perf`, `stall_test`, `structured`,
-`peer_llama_cpp`, `fleet`, with `ab_repository` to serve two revisions side by side. Prompt sets
-(prompt_sets.py, json_extraction.py) come from data files that pip packages ship.
+`oracle_bound`, `agreement`, `acceptance`, `device_check`. Through real servers (tritonserver,
+the OpenAI endpoint, llama-server, Redis): `load_test`, `speedup`, `multi_turn`, `genai_perf`,
+`stall_test`, `structured`, `peer_llama_cpp`, `fleet`, with `ab_repository` to serve two
+revisions side by side. Prompt sets (prompt_sets.py, json_extraction.py) come from data files
+that pip packages ship; stdlib_sets.py builds its own from the interpreter's standard library.
 """
 
 # name -> what it measures (a module of this package with `main(argv) -> int`)
@@ -15,8 +16,11 @@ BENCHMARKS = {
     "grammar_cost": "what a structured-output grammar costs a lookahead step",
     "oracle_bound": "how far a drafter that knows each output could go over plain decoding",
     "agreement": "lookahead on the fast path against transformers' greedy on stock layers",
+    "acceptance": "draft-node acceptance estimates on recorded steps: class calibration vs the predictor",
     "device_check": "the forward-cost curve and a decoder benchmark on a random 7B-shaped model",
     "load_test": "perf_analyzer against the served lookahead and baseline models",
+    "speedup": "lookahead against the baseline through the server per prompt set, outputs compared",
+    "multi_turn": "four-turn coding conversations through the server, each turn resending the last",
     "genai_perf": "genai-perf through the OpenAI endpoint: TTFT, inter-token latency, tokens/s",
     "stall_test": "whether a long prompt stalls the streams already running",
     "structured": "structured outputs through the server, with and without lookahead",

@@ -18,7 +18,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-PROMPT_SET_NAMES = ("humaneval", "mtbench", "gsm8k", "code_edit")
+from bench.stdlib_sets import doc_qa_prompts
+
+PROMPT_SET_NAMES = ("humaneval", "mtbench", "gsm8k", "code_edit", "doc_qa")
 
 
 @dataclass(frozen=True)
@@ -163,11 +165,18 @@ def _rename_variable(source: str, function: ast.FunctionDef) -> tuple[str, str]:
 
 _EDITS = (_rename_function, _add_type_hints, _add_docstring, _rename_variable)
 
+
+def _doc_qa() -> PromptSet:
+    """Questions about a standard library page given in the prompt (stdlib_sets.py)."""
+    return PromptSet("doc_qa", doc_qa_prompts(), use_chat_template=True)
+
+
 _LOADERS: dict[str, Callable[[], PromptSet]] = {
     "humaneval": _humaneval,
     "mtbench": _mtbench,
     "gsm8k": _gsm8k,
     "code_edit": _code_edit,
+    "doc_qa": _doc_qa,
 }
 
 

@@ -16,7 +16,7 @@ from typing import Any
 
 DECODING_MODES = ("hier", "par", "one")
 # What proposes drafts (lookahead/algorithm/drafters: one module each, registered under its name).
-DRAFTER_NAMES = ("trie",)
+DRAFTER_NAMES = ("trie", "hybrid", "recycled")
 # "packed": the fast CPU path (lookahead/cpu); "stock": transformers' layers; "auto": packed where it runs.
 LINEAR_KERNELS = ("auto", "packed", "stock")
 
@@ -60,7 +60,9 @@ class LookaheadConfig:
     learn: whether the request's output feeds the instance's global trie (and, with fleet sync,
     every instance's); off, it still drafts from what the trie knows.
     drafter: which drafter proposes the drafts (one of DRAFTER_NAMES; "trie": the request's own
-    trie, the shared trie and the request's copy of its longest earlier repeat).
+    trie, the shared trie and the request's copy of its longest earlier repeat; "hybrid": those,
+    and the model's recycled next-token candidates where they leave probability unclaimed;
+    "recycled": the model's recycled candidates alone).
     """
 
     use_lookahead: bool = True
@@ -337,8 +339,9 @@ class DecoderConfig:
     planner spends it node by node where drafts pay, and a long prompt is read in chunks of it.
     max_speculative_batch: an optional cap: above this many running requests, decode plainly
     (0, the default: no cap, the planner alone decides).
-    prefix_cache_tokens: prompt tokens whose KV is kept for later prompts that share a prefix
-    (runtime/prefix_cache.py); 0 turns the cache off.
+    prefix_cache_tokens: KV positions kept for later prompts that share a prefix: recent prompts,
+    and finished requests' prompts with their outputs (a conversation's next turn sends both
+    back; runtime/prefix_cache.py); 0 turns the cache off.
     kv_cache_bytes: most bytes the running requests' KV pool may hold, counted for each request's
     longest possible sequence (prompt + max_tokens + one draft); 0: no bound.
     grammar_compile_timeout_s: longest a request's structured-output grammar may take to compile
@@ -349,7 +352,7 @@ class DecoderConfig:
 
     step_token_budget: int = 128
     max_speculative_batch: int = 0
-    prefix_cache_tokens: int = 2048
+    prefix_cache_tokens: int = 8192
     kv_cache_bytes: int = 2 * 1024**3
     grammar_compile_timeout_s: float = 10.0
     grammar_max_bytes: int = 65536

@@ -10,17 +10,44 @@ plain continuation.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
 # Bits of Draft.origins: the evidence a node was drafted from (one node may have several).
+# FROM_OWN_OUTPUT marks evidence from the request's own output (a copy of it, or shared-trie
+# n-grams touched since the request started); FROM_FLEET shared-trie n-grams another replica
+# taught last (trie_sync); FROM_RECYCLED the model's own ranked candidates (drafters/recycled.py).
 FROM_COPY, FROM_REQUEST_TRIE, FROM_SHARED_TRIE, FROM_GRAMMAR = 1, 2, 4, 8
+FROM_OWN_OUTPUT, FROM_FLEET, FROM_RECYCLED = 16, 32, 64
 ORIGIN_NAMES = {
     FROM_COPY: "copy",
     FROM_REQUEST_TRIE: "request trie",
     FROM_SHARED_TRIE: "shared trie",
     FROM_GRAMMAR: "grammar",
+    FROM_OWN_OUTPUT: "own output",
+    FROM_FLEET: "fleet",
+    FROM_RECYCLED: "recycled",
 }
+
+
+class Evidence(NamedTuple):
+    """What a drafter saw behind one node, beyond its probability (acceptance.py's features).
+
+    matched: context tokens the node's estimate is conditioned on (a copy: the tokens agreeing
+    with the source before it; a trie: the matched query and the path below it); count: the
+    n-gram's (decayed) count in the tries, or the rank-weighted count of a recycled candidate;
+    age: tokens the shared trie took in since the n-gram was last seen (-1: not in it); rank: the
+    node's place among its siblings by the drafter's estimate (0: the most likely).
+    """
+
+    matched: int = 0
+    count: float = 0.0
+    age: int = -1
+    rank: int = 0
+
+
+NO_EVIDENCE = Evidence()
 
 
 @dataclass
@@ -30,16 +57,26 @@ class Draft:
     # Estimated probability that the model's own continuation reaches each node (root: 1.0);
     # non-increasing along every path. Drives the adaptive draft size.
     probs: list[float] = field(default_factory=list)
-    # FROM_* bits per node (root: 0): what retrieval drafted it from, for the debug log.
+    # FROM_* bits per node (root: 0): what the drafter drafted it from (the debug log, acceptance).
     origins: list[int] = field(default_factory=list)
+    # Per node (root: NO_EVIDENCE): what the acceptance predictor reads besides probs and origins.
+    evidence: list[Evidence] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.probs:
             self.probs = [1.0] * len(self.tokens)
         if not self.origins:
             self.origins = [0] * len(self.tokens)
-        if not len(self.parents) == len(self.probs) == len(self.origins) == len(self.tokens):
-            raise ValueError("tokens, parents, probs and origins must have the same length")
+        if not self.evidence:
+            self.evidence = [NO_EVIDENCE] * len(self.tokens)
+        if not (
+            len(self.parents)
+            == len(self.probs)
+            == len(self.origins)
+            == len(self.evidence)
+            == len(self.tokens)
+        ):
+            raise ValueError("tokens, parents, probs, origins and evidence must have the same length")
         if not self.tokens or self.parents[0] != -1:
             raise ValueError("a draft starts with its root, whose parent is -1")
         if any(not 0 <= p < i for i, p in enumerate(self.parents[1:], start=1)):
@@ -60,6 +97,7 @@ class Draft:
             [-1, *range(n), *(parent + n for parent in tail.parents[1:])],
             [1.0] * (n + 1) + tail.probs[1:],
             [0, *[origin] * n, *tail.origins[1:]],
+            [NO_EVIDENCE] * (n + 1) + tail.evidence[1:],
         )
 
     def __len__(self) -> int:
@@ -94,6 +132,7 @@ class Draft:
             [-1] + [index[self.parents[i]] for i in keep[1:]],
             [self.probs[i] for i in keep],
             [self.origins[i] for i in keep],
+            [self.evidence[i] for i in keep],
         )
 
     def origin_counts(self) -> dict[str, int]:

@@ -1,12 +1,17 @@
-"""Is a draft worth its forward? Expected tokens per unit of forward cost.
+"""Is a draft worth its forward? Expected tokens against the forward's cost.
 
 A forward over q new tokens costs cost(q) relative to a one-token forward. On a GPU cost is
 nearly flat up to tens of tokens; on a CPU it grows several-fold by q=64 (cost_priors.py).
-A draft whose nodes are reached with probabilities p_i yields 1 + sum(p_i) tokens in
-expectation. We keep the top-m nodes by probability (a connected subtree, since probabilities
-never grow along a path) for the m that maximises (1 + c * sum p) / cost(m + 1), where c
-calibrates the draft's probability estimates against what the model actually accepted. m = 0
-is a plain decoding step. Both cost(q) and c are learned online from real steps. A batched step
+A draft whose nodes are reached with probabilities w_i (each node's acceptance estimate, see
+acceptance.py) yields 1 + sum(w_i) tokens in expectation. We keep the top-m nodes by weight (a
+connected subtree, since weights never grow along a path). Which m? Decoding wants the most
+tokens per unit of cost over the whole request, not in each step: a step is worth widening as
+long as each added node's weight pays for its cost at the rate steps yield lately (lambda,
+tokens per unit of cost), i.e. the m maximising (1 + sum w) - lambda * cost(m + 1)
+(Dinkelbach's rule for a ratio of sums). So a reliable copy drafts a deep chain even when its
+step already yields more than average, and a step of long shots drafts nothing. Until steps
+have been seen, the m maximising (1 + sum w) / cost(m + 1) stands in. m = 0 is a plain decoding
+step. cost(q), lambda and the estimates are learned online from real steps. A batched step
 applies the same rule node by node across all its requests (see plan_step): the step's tokens
 go to whichever request's next node is most likely to be accepted, so a request copying its
 prompt drafts long while a chatty one beside it drafts nothing.
@@ -17,7 +22,9 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from .cost_priors import GPU_PRIOR, STOCK_CPU_PRIOR
 from .draft import FROM_COPY, Draft
@@ -27,6 +34,9 @@ _EMA = 0.1
 # running something else, a page fault) can take ten times a normal one, and an average would
 # price a width out for tens of steps after it.
 COST_WINDOW = 9
+# The yield rate (tokens per unit of relative cost) moves by this share of each step without a
+# prompt chunk: about the last 30 steps count.
+YIELD_EMA = 0.03
 # Lowest calibration ratio. Calibration only learns from drafts that are fed, and a ratio too
 # low for any draft to pay (on a CPU a one-token draft adds ~6% to a forward) would stop a request
 # drafting for good after a run of misses.
@@ -62,9 +72,23 @@ class CostModel:
     seconds: dict[int, float] = field(init=False, default_factory=dict)
     _recent: dict[int, deque[float]] = field(init=False, default_factory=dict)
     _relative: dict[int, float] = field(init=False)  # cost(point) / cost(1) for every prior point
+    # Moving sums of the tokens steps yielded and of their relative costs (see `rate`).
+    _tokens: float = field(init=False, default=0.0)
+    _costs: float = field(init=False, default=0.0)
 
     def __post_init__(self) -> None:
         self._relative = dict(self.prior)
+
+    def observe_yield(self, tokens: int, q: int) -> None:
+        """A step fed q tokens and its requests kept `tokens` (accepted and bonus)."""
+        keep = 1.0 - YIELD_EMA
+        self._tokens = keep * self._tokens + YIELD_EMA * tokens
+        self._costs = keep * self._costs + YIELD_EMA * self.relative(q)
+
+    @property
+    def rate(self) -> float | None:
+        """Tokens per unit of relative cost that steps yield lately (None before any)."""
+        return self._tokens / self._costs if self._costs > 0 else None
 
     @classmethod
     def for_device(cls, device_type: str, prior: dict[int, float] | None = None) -> CostModel:
@@ -113,6 +137,12 @@ NODE_CLASSES = 2 * 2 * 2 * _BUCKETS
 # The starting averages: the starting ratio over one predicted node, which the observed steps
 # replace at `rate` each.
 _PRIOR_EVIDENCE = 1.0
+# Drafters' conditional probabilities overstate acceptance: a cold estimate trusts them this far
+# (the class calibration's starting ratio, and the acceptance predictor's).
+INITIAL_CALIBRATION = 0.7
+# A request's own class calibration learns at this rate (bench/acceptance.py runs the class
+# calibration as a request did, to compare it with the acceptance predictor).
+REQUEST_CALIBRATION_RATE = 0.15
 
 
 def node_class(copied: bool, side: bool, conditional: float, deep: bool = False) -> int:
@@ -200,22 +230,30 @@ def _classes(draft: Draft) -> list[tuple[int, float]]:
     return classes
 
 
+class AcceptanceEstimate(Protocol):
+    """A request's acceptance estimates (acceptance.RequestAcceptance, or a Calibration)."""
+
+    def calibrated(self, draft: Draft) -> list[float]:
+        """Each node's chance of being accepted (root: 1), never growing down a branch."""
+        ...
+
+
 def least_paying_weight(cost: CostModel, requests: int, tokens: int) -> float:
     """The weight below which no draft node can pay for its place in a step of `requests` roots
-    among `tokens` fed, so retrieval need not look for it.
+    among `tokens` fed, so retrieval need not look for it: a node pays when its weight exceeds
+    the yield rate times its marginal cost, and no token costs less than the least slope.
 
-    Without drafts the step yields requests / cost(tokens) tokens per unit of cost. A set of nodes
-    each weighing less than that rate times the least marginal cost of a token yields less per
-    unit than the step already does, whatever nodes it joins, so no plan is better for it.
+    Before steps have been seen, the rate is this step's without drafts: requests / cost(tokens).
     """
     if requests == 0:
         return 0.0
-    return cost.least_slope(tokens) * requests / cost.relative(tokens)
+    rate = cost.rate if cost.rate is not None else requests / cost.relative(tokens)
+    return cost.least_slope(tokens) * rate
 
 
 def plan_step(
     drafts: list[Draft],
-    calibrations: list[Calibration],
+    calibrations: Sequence[AcceptanceEstimate],
     adaptive: list[bool],
     cost: CostModel,
     token_budget: int,
@@ -230,6 +268,8 @@ def plan_step(
     likely first across all requests, each after its parent, and the m with the best expected
     tokens per cost wins (m = 0: plain decoding). Requests that opted out of adaptivity keep
     their whole draft, within the budget (token_budget - k - other_tokens nodes in all).
+    The m kept maximises gain - rate * cost, or gain / cost before the cost model knows its rate
+    (see the module docstring).
     """
     k = len(drafts)
     fixed = k + other_tokens
@@ -248,15 +288,17 @@ def plan_step(
         room -= len(taken)
     candidates.sort()  # most likely first; a parent (never less likely) before its children
     candidates = candidates[:room]
-    best_m, best_rate = 0, -1.0
+    best_m, best_value = 0, -math.inf
     gain = float(k) + forced_gain
     base = fixed + sum(len(nodes) - 1 for nodes in keep)
+    rate = cost.rate
     for m in range(len(candidates) + 1):
         if m:
             gain -= candidates[m - 1][0]
-        rate = gain / cost.relative(base + m)
-        if rate > best_rate:
-            best_m, best_rate = m, rate
+        price = cost.relative(base + m)
+        value = gain / price if rate is None else gain - rate * price
+        if value > best_value:
+            best_m, best_value = m, value
     for _, r, i in candidates[:best_m]:
         keep[r].append(i)
     return [d if len(nodes) == len(d) else d.subset(sorted(nodes)) for d, nodes in zip(drafts, keep)]

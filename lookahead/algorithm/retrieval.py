@@ -42,11 +42,22 @@ from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 from ..config import DECODING_MODES
-from .draft import FROM_COPY, FROM_REQUEST_TRIE, FROM_SHARED_TRIE, Draft
+from .draft import (
+    FROM_COPY,
+    FROM_OWN_OUTPUT,
+    FROM_RECYCLED,
+    FROM_REQUEST_TRIE,
+    FROM_SHARED_TRIE,
+    NO_EVIDENCE,
+    Draft,
+    Evidence,
+)
+from .recycling import RecycleTable
 from .spans import Copy
 from .trie import NO_NODE, NGramTrie
 
 CHILD_LIMIT = 8
+RECYCLED_LIMIT = 4  # recycled candidates offered per node (the most likely ones)
 
 
 class _Node(NamedTuple):
@@ -59,24 +70,34 @@ class _Node(NamedTuple):
     shared_node: int  # and in the shared trie
     depth: int
     copy_index: int  # index of the copy token that would follow this node; -1 off the copy's path
+    recycled: int  # the node's rank among its parent's recycled candidates; -1: not one of them
 
 
 # One child a node may get: (conditional probability given the node, token, its node in the local
-# trie, in the shared trie, the index of the copy token that would follow it or -1). Built by the
-# hundred per query, so a plain tuple, always unpacked into these names.
-_Continuation = tuple[float, int, int, int, int]
+# trie, in the shared trie, the index of the copy token that would follow it or -1, its rank among
+# the recycled candidates or -1). Built by the hundred per query, so a plain tuple, always unpacked
+# into these names.
+_Continuation = tuple[float, int, int, int, int, int]
 # Whether a request's grammar accepts a draft path (the tokens from below the root to a node).
 Admits = Callable[[tuple[int, ...]], bool]
 _NO_EVIDENCE = (NO_NODE, 0.0)
 
 
 class _MergedView:
-    """Read-only union of the local and the shared trie, and the request's copy draft."""
+    """Read-only union of the local and the shared trie, the request's copy draft and the model's
+    recycled candidates."""
 
-    def __init__(self, local: NGramTrie | None, shared: NGramTrie | None, copy: Copy | None) -> None:
+    def __init__(
+        self,
+        local: NGramTrie | None,
+        shared: NGramTrie | None,
+        copy: Copy | None,
+        recycled: RecycleTable | None = None,
+    ) -> None:
         self.local = local
         self.shared = shared
         self.copy = copy
+        self.recycled = recycled
 
     def match(self, query: Sequence[int]) -> tuple[int, int]:
         return (
@@ -90,10 +111,51 @@ class _MergedView:
             self.shared.count(shared_node) if shared_node != NO_NODE else 0.0,
         )
 
+    def evidence(self, node: _Node, query_len: int, rank: int, parent_token: int) -> Evidence:
+        """A selected node's Evidence (see draft.py): its copy's agreement or its context length,
+        its n-gram's counts in both tries, its age in the shared one (a recycled candidate's
+        alone: the age of its table row), its rank among its siblings."""
+        local_count, shared_count = self.counts(node.local_node, node.shared_node)
+        on_copy = node.copy_index > 0 and self.copy is not None
+        if node.local_node == NO_NODE and node.shared_node == NO_NODE and not on_copy and self.recycled:
+            return Evidence(1, 0.0, self.recycled.age(parent_token), rank)
+        matched = self.copy.matched + node.copy_index - 1 if on_copy else query_len + node.depth - 1
+        age = self.shared.age(node.shared_node) if node.shared_node != NO_NODE else -1
+        return Evidence(matched, local_count + shared_count, age, rank)
+
     def continuations(
+        self, token: int, local_node: int, shared_node: int, context_len: int, copy_index: int
+    ) -> list[_Continuation]:
+        """Every child of a node carrying `token`, most recent first; the copy's next token, when
+        on its path, backs off to the tries, and the recycled candidates get what all leave."""
+        options = self._copied(local_node, shared_node, context_len, copy_index)
+        if self.recycled is None:
+            return options
+        candidates = self.recycled.next_tokens(token, RECYCLED_LIMIT)
+        if not candidates:
+            return options
+        escape = max(0.0, 1.0 - sum(option[0] for option in options))
+        known = {option[1]: i for i, option in enumerate(options)}
+        for rank, (candidate, p) in enumerate(candidates):
+            if candidate in known:  # the model's candidate agrees with the text's evidence
+                i = known[candidate]
+                conditional, _, local_child, shared_child, copy_next, _ = options[i]
+                options[i] = (
+                    min(1.0, conditional + escape * p),
+                    candidate,
+                    local_child,
+                    shared_child,
+                    copy_next,
+                    rank,
+                )
+            elif escape > 0.0:
+                options.append((escape * p, candidate, NO_NODE, NO_NODE, -1, rank))
+        return options
+
+    def _copied(
         self, local_node: int, shared_node: int, context_len: int, copy_index: int
     ) -> list[_Continuation]:
-        """Every child, most recent first; the copy's next token, when on its path, backs off to the tries."""
+        """The tries' children, most recent first; the copy's next token, on its path, backs off to them."""
         local, local_unlisted = _conditionals(self.local, local_node, context_len)
         shared, shared_unlisted = _conditionals(self.shared, shared_node, context_len)
         evidence = []  # (token, local child, p_local, shared child, p_shared), the local trie's first
@@ -105,21 +167,24 @@ class _MergedView:
             evidence.append((token, local_child, p_local, shared_child, p_shared))
         escape = max(0.0, 1.0 - sum(p_local for _, _, p_local, _, _ in evidence))
         tries = [
-            (min(1.0, p_local + escape * p_shared), token, local_child, shared_child, -1)
+            (min(1.0, p_local + escape * p_shared), token, local_child, shared_child, -1, -1)
             for token, local_child, p_local, shared_child, p_shared in evidence
         ]
         if self.copy is None or not 0 <= copy_index < len(self.copy.tokens):
             return tries
         copied, p_copy = self.copy.tokens[copy_index], self.copy.conditional(copy_index)
-        kept, on_copy = [], (0.0, copied, NO_NODE, NO_NODE, -1)
+        kept, on_copy = [], (0.0, copied, NO_NODE, NO_NODE, -1, -1)
         for option in tries:
-            conditional, token, local_child, shared_child, _ = option
+            conditional, token, local_child, shared_child, _, _ = option
             if token == copied:
                 on_copy = option
             else:
-                kept.append((conditional * (1.0 - p_copy), token, local_child, shared_child, -1))
-        p_tries, _, local_child, shared_child, _ = on_copy
-        return [(p_copy + (1.0 - p_copy) * p_tries, copied, local_child, shared_child, copy_index + 1), *kept]
+                kept.append((conditional * (1.0 - p_copy), token, local_child, shared_child, -1, -1))
+        p_tries, _, local_child, shared_child, _, _ = on_copy
+        return [
+            (p_copy + (1.0 - p_copy) * p_tries, copied, local_child, shared_child, copy_index + 1, -1),
+            *kept,
+        ]
 
 
 def _conditionals(
@@ -160,13 +225,16 @@ def retrieve_draft(
     stop_words: frozenset[int] = frozenset(),
     min_prob: float = 0.0,
     admits: Admits | None = None,
+    recycled: RecycleTable | None = None,
 ) -> Draft:
     """The draft to verify after `context`: at most `decoding_length` nodes (root included), depth
     at most `branch_length`, tokens[0] == context[-1]; the bare root when nothing matches.
     `copy` (see spans.py) continues the request's longest repeat of its latest tokens, also
-    past the tries' depth. A node carrying one of `stop_tokens` (the request's EOS ids) gets no
-    children: the request ends there, so nothing below it could be accepted. A root among
-    `stop_words` drafts nothing from its one-token context (see runtime/stop_words.py).
+    past the tries' depth; `recycled` (see recycling.py) offers the model's own candidates
+    where the tries and the copy leave probability unclaimed. A node carrying one of
+    `stop_tokens` (the request's EOS ids) gets no children: the request ends there, so nothing
+    below it could be accepted. A root among `stop_words` drafts nothing from its one-token
+    context (see runtime/stop_words.py).
 
     The longest matching query (last k tokens, k <= max_query_length) is tried first; a shorter
     one replaces it only if its draft has a larger expected number of accepted tokens.
@@ -177,9 +245,9 @@ def retrieve_draft(
         raise ValueError(f"mode must be one of {', '.join(DECODING_MODES)}, got {mode!r}")
     root = int(context[-1])
     depth_limit = min(branch_length, decoding_length - 1)
-    if depth_limit <= 0 or (local is None and shared is None and copy is None):
+    if depth_limit <= 0 or (local is None and shared is None and copy is None and recycled is None):
         return Draft.root_only(root)
-    view = _MergedView(local, shared, copy)
+    view = _MergedView(local, shared, copy, recycled)
     best = Draft.root_only(root)
     best_value = 1.0
     previous_counts = None
@@ -188,13 +256,13 @@ def retrieve_draft(
             break
         query = context[-query_len:]
         local_node, shared_node = view.match(query)
-        if local_node == NO_NODE and shared_node == NO_NODE and copy is None:
+        if local_node == NO_NODE and shared_node == NO_NODE and copy is None and recycled is None:
             continue
         counts = view.counts(local_node, shared_node)
         if counts == previous_counts:
             continue  # every occurrence of this query extends the longer one: same evidence, less context
         previous_counts = counts
-        start = _Node(root, -1, 1.0, local_node, shared_node, 0, 0 if copy is not None else -1)
+        start = _Node(root, -1, 1.0, local_node, shared_node, 0, 0 if copy is not None else -1, -1)
         if mode == "one":
             nodes = _best_chain(view, start, query_len, depth_limit, stop_tokens, min_prob, admits)
         else:
@@ -203,7 +271,7 @@ def retrieve_draft(
             )
         value = sum(node.prob for node in nodes)
         if value > best_value:
-            best, best_value = _layout(nodes, mode, decoding_length), value
+            best, best_value = _layout(nodes, mode, decoding_length, view, query_len), value
     return best
 
 
@@ -231,17 +299,17 @@ def _best_first(
         if option is None:
             node = start
         else:
-            _, token, local_child, shared_child, copy_next = option
+            _, token, local_child, shared_child, copy_next, recycled = option
             if admits is not None:
                 path = (*paths[parent], token)
-            node = _Node(token, parent, -negative_prob, local_child, shared_child, depth, copy_next)
+            node = _Node(token, parent, -negative_prob, local_child, shared_child, depth, copy_next, recycled)
         index = len(selected)
         selected.append(node)
         paths.append(path)
         if node.depth == depth_limit or len(selected) == budget or _ends_request(node, stop_tokens):
             continue
         options = view.continuations(
-            node.local_node, node.shared_node, query_len + node.depth, node.copy_index
+            node.token, node.local_node, node.shared_node, query_len + node.depth, node.copy_index
         )
         if admits is not None:
             options = _admitted(options, path, admits)
@@ -269,18 +337,22 @@ def _best_chain(
     while chain[-1].depth < depth_limit and not _ends_request(chain[-1], stop_tokens):
         last = chain[-1]
         options = view.continuations(
-            last.local_node, last.shared_node, query_len + last.depth, last.copy_index
+            last.token, last.local_node, last.shared_node, query_len + last.depth, last.copy_index
         )
         if admits is not None:  # the most probable child the grammar admits
             options = _admitted(options, path, admits, first_only=True)
         if not options:
             break
-        conditional, token, local_child, shared_child, copy_next = max(options, key=lambda option: option[0])
+        conditional, token, local_child, shared_child, copy_next, recycled = max(
+            options, key=lambda option: option[0]
+        )
         path = (*path, token)
         prob = last.prob * conditional
         if conditional <= 0.0 or prob < min_prob:
             break
-        chain.append(_Node(token, len(chain) - 1, prob, local_child, shared_child, last.depth + 1, copy_next))
+        chain.append(
+            _Node(token, len(chain) - 1, prob, local_child, shared_child, last.depth + 1, copy_next, recycled)
+        )
     return chain
 
 
@@ -311,14 +383,21 @@ def _ends_request(node: _Node, stop_tokens: frozenset[int]) -> bool:
     return node.depth > 0 and node.token in stop_tokens
 
 
-def _layout(nodes: list[_Node], mode: str, budget: int) -> Draft:
+def _layout(nodes: list[_Node], mode: str, budget: int, view: _MergedView, query_len: int) -> Draft:
     """DFS order with the most probable child first, so the best branch is nodes 1..m.
 
     `par` re-emits every root-to-leaf path as its own chain under the root, within the budget.
     """
     children: list[list[int]] = [[] for _ in nodes]
+    ranks = [0] * len(nodes)
     for index, node in enumerate(nodes[1:], start=1):
+        ranks[index] = len(children[node.parent])
         children[node.parent].append(index)  # selection order is descending probability
+    origins = [0] + [_origin(node, view.copy) for node in nodes[1:]]
+    evidence = [NO_EVIDENCE] + [
+        view.evidence(nodes[i], query_len, ranks[i], nodes[nodes[i].parent].token)
+        for i in range(1, len(nodes))
+    ]
     order: list[int] = []
     stack = [0]
     while stack:
@@ -331,9 +410,11 @@ def _layout(nodes: list[_Node], mode: str, budget: int) -> Draft:
             [nodes[i].token for i in order],
             [-1] + [position[nodes[i].parent] for i in order[1:]],
             [nodes[i].prob for i in order],
-            [0] + [_origin(nodes[i]) for i in order[1:]],
+            [origins[i] for i in order],
+            [evidence[i] for i in order],
         )
-    tokens, parents, probs, origins = [nodes[0].token], [-1], [1.0], [0]
+    kept = [0]
+    parents = [-1]
     for leaf in (i for i in order if not children[i] and i != 0):
         path = []
         while leaf != 0:
@@ -341,20 +422,28 @@ def _layout(nodes: list[_Node], mode: str, budget: int) -> Draft:
             leaf = nodes[leaf].parent
         parent = 0
         for index in reversed(path):
-            if len(tokens) == budget:
-                return Draft(tokens, parents, probs, origins)
-            tokens.append(nodes[index].token)
+            if len(kept) == budget:
+                break
+            kept.append(index)
             parents.append(parent)
-            probs.append(nodes[index].prob)
-            origins.append(_origin(nodes[index]))
-            parent = len(tokens) - 1
-    return Draft(tokens, parents, probs, origins)
+            parent = len(kept) - 1
+    return Draft(
+        [nodes[i].token for i in kept],
+        parents,
+        [nodes[i].prob for i in kept],
+        [origins[i] for i in kept],
+        [evidence[i] for i in kept],
+    )
 
 
-def _origin(node: _Node) -> int:
-    """The FROM_* bits of a non-root node: on the copy's path, in the request's trie, in the shared one."""
+def _origin(node: _Node, copy: Copy | None) -> int:
+    """The FROM_* bits of a non-root node: on the copy's path (of the request's own output past
+    the copy's prompt part), in the request's trie, in the shared one."""
+    on_copy = node.copy_index > 0 and copy is not None
     return (
-        (FROM_COPY if node.copy_index > 0 else 0)
+        (FROM_COPY if on_copy else 0)
+        | (FROM_OWN_OUTPUT if on_copy and node.copy_index > copy.from_prompt else 0)
         | (FROM_REQUEST_TRIE if node.local_node != NO_NODE else 0)
         | (FROM_SHARED_TRIE if node.shared_node != NO_NODE else 0)
+        | (FROM_RECYCLED if node.recycled >= 0 else 0)
     )

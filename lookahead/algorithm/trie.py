@@ -376,6 +376,15 @@ class NGramTrie:
     def count(self, node: int) -> float:
         return self._count[node]
 
+    def age(self, node: int) -> int:
+        """Tokens taken in since `node`'s n-gram was last counted (recency ticks)."""
+        return self._tick - self._last_touched[node]
+
+    @property
+    def tick(self) -> int:
+        """The recency clock: advances by one per window counted."""
+        return self._tick
+
     # Snapshots (used by persistence.py)
 
     def to_columns(self) -> dict[str, np.ndarray]:

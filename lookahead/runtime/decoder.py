@@ -6,7 +6,7 @@ into the KV pool, asks the scheduler (scheduler.py) what each request feeds with
 token budget (a chunk of its prompt, or its root and the draft nodes that pay), has the runner
 (runner.py, which owns the model's forwards, the KV pool and the prefix cache) feed them all as
 one ragged row, verifies each draft and commits what the model accepted. It also holds the
-online cost model and calibration that decide how much drafting pays.
+online cost model and acceptance predictor that decide how much drafting pays.
 
     gen = decoder.start(prompt_ids, SamplingParams(max_tokens=64))
     while not gen.finished:
@@ -22,13 +22,17 @@ from typing import Any, Protocol
 
 import torch
 
-from ..algorithm.planner import Calibration, CostModel
+from ..algorithm.acceptance import AcceptancePredictor
+from ..algorithm.draft import Draft
+from ..algorithm.planner import CostModel
+from ..algorithm.recycling import RecycleTable
 from ..algorithm.trie import NGramTrie
-from ..algorithm.verify import verify
+from ..algorithm.verify import Verdict, verify
 from ..config import DecoderConfig, LookaheadConfig, SamplingParams, TrieConfig
 from ..structured import CompiledGrammar, GrammarCompiler, GrammarMatcher
 from .generation import Generation, GenerationStats, Shared, Siblings, StepOutput
 from .kv_pool import accepted_moves
+from .recycling import recycle
 from .runner import ModelRunner, Work
 from .scheduler import schedule
 from .step_inputs import Segment
@@ -37,10 +41,6 @@ from .stop_words import stop_word_ids
 __all__ = ["Generation", "GenerationStats", "LookaheadDecoder", "StepOutput"]
 
 STOP_WORDS_CACHED = 64  # distinct stop_words lists whose token ids are kept
-
-# Retrieval's conditional probabilities overstate acceptance until calibrated, so a cold decoder
-# trusts them this far.
-INITIAL_CALIBRATION = 0.7
 
 
 class Servable(Protocol):
@@ -112,9 +112,17 @@ class LookaheadDecoder:
             max_choices=grammar_max_choices,
         )
         self.cost = CostModel.for_device(self.device.type, dict(cost_prior) if cost_prior else None)
-        self.calibration = Calibration.uniform(INITIAL_CALIBRATION)
+        # How likely the model is to accept each draft node, learned from every verdict.
+        self.acceptance = AcceptancePredictor()
+        # The model's own next-token candidates per token, from every verified row (drafters
+        # that recycle them read it; kept whatever this instance's default drafter is, so a
+        # request choosing one finds it warm).
+        self.recycled = RecycleTable(self.vocab_size) if config.drafting else None
         # Where LookaheadConfig.debug lines go (the backend sends them to the server log).
         self.debug_log: Callable[[str], None] = logging.getLogger("lookahead").info
+        # Called with every verified step of every request (generation, the draft fed, the
+        # verdict), before the request commits it: benchmarks record steps through it.
+        self.recorder: Callable[[Generation, Draft, Verdict], None] | None = None
         self._stop_words: dict[tuple[int | str, ...], frozenset[int]] = {}
         self.stop_word_ids(config.stop_words)  # a bad instance setting fails here, not in a request
 
@@ -174,11 +182,12 @@ class LookaheadDecoder:
             device=self.device,
             trie=self.trie,
             trie_depth=self.trie_depth,
-            calibration=self.calibration,
+            recycled=self.recycled,
+            acceptance=self.acceptance,
             stop_words=self.stop_word_ids(config.stop_words),
             debug_log=self.debug_log,
             step=lambda gen: self.step([gen])[0],
-            release=self.runner.pool.release,
+            release=self._release,
         )
         spec = params.structured_outputs
         matcher = None
@@ -334,6 +343,9 @@ class LookaheadDecoder:
                 verdicts[id(gen)] = verify(segment.draft, logits, gen.selector)
             except Exception as error:
                 failed[id(gen)] = _failure(gen, error)
+                continue
+            if self.recycled is not None:
+                recycle(self.recycled, segment.draft, logits, verdicts[id(gen)].accepted_nodes)
         self.runner.pool.compact(
             [
                 move
@@ -345,7 +357,10 @@ class LookaheadDecoder:
             ]
         )
         elapsed = time.perf_counter() - started
-        self.cost.observe(sum(work.segment.width for work in works), elapsed)
+        width = sum(work.segment.width for work in works)
+        self.cost.observe(width, elapsed)
+        if all(not work.segment.prompt for work in works):
+            self.cost.observe_yield(sum(len(verdict.tokens) for verdict in verdicts.values()), width)
         outputs = dict(failed)
         for work, logits in zip(works, rows):
             gen, segment = work.gen, work.segment
@@ -357,6 +372,8 @@ class LookaheadDecoder:
             else:
                 gen.stats.steps += 1
                 gen.stats.forward_seconds.append(elapsed)
+            if self.recorder is not None:
+                self.recorder(gen, segment.draft, verdict)
             gen.record_verdict(segment.draft, verdict)
             chosen = logits[verdict.rows] if gen.cumulative_logprob is not None else None
             outputs[id(gen)] = _isolated(
@@ -372,6 +389,14 @@ class LookaheadDecoder:
             return
         # The root's entry is the prompt's last one: the first prompt_len entries are the prompt's.
         self.runner.keep_prompt(gen.ids[: gen.prompt_len], segment.slot)
+
+    def _release(self, gen: Generation) -> None:
+        """Give a generation's slot back; a request that ran to its end first leaves its prompt and
+        output there for the prefix cache: a conversation's next turn sends them back as its prompt."""
+        if gen.finish_reason in ("stop", "length") and gen.config.learn and not gen.scoring_prompt:
+            # every committed token but the last has its KV entry (the last one was never fed)
+            self.runner.keep_prompt(gen.ids[:-1], self.runner.pool.slot_of(gen))
+        self.runner.pool.release(gen)
 
 
 def _isolated(gen: Generation, work: Callable[[], StepOutput | None]) -> StepOutput | None:

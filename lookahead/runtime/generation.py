@@ -16,9 +16,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..algorithm.acceptance import AcceptancePredictor
 from ..algorithm.draft import FROM_GRAMMAR, Draft
 from ..algorithm.drafters import Drafter, DraftQuery, DraftRequest, make_drafter
-from ..algorithm.planner import Calibration
+from ..algorithm.recycling import RecycleTable
 from ..algorithm.trie import NGramTrie, TrieWriter
 from ..algorithm.verify import Verdict
 from ..config import LookaheadConfig, SamplingParams
@@ -28,9 +29,6 @@ from .sampling import TokenSelector
 
 if TYPE_CHECKING:
     from ..structured import GrammarMatcher
-
-# A request's own acceptance history soon outweighs the decoder's shared one.
-REQUEST_CALIBRATION_RATE = 0.15
 
 
 @dataclass
@@ -76,7 +74,8 @@ class Shared:
     device: torch.device
     trie: NGramTrie | None  # the instance's global trie
     trie_depth: int
-    calibration: Calibration  # the decoder's, learned from every request
+    recycled: RecycleTable | None  # the model's recycled candidates (algorithm/recycling.py)
+    acceptance: AcceptancePredictor  # the decoder's, learned from every request
     stop_words: frozenset[int]
     debug_log: Callable[[str], None]
     step: Callable[[Generation], StepOutput]  # one decoder step of this generation alone
@@ -122,7 +121,7 @@ class Generation:
         self.started: float | None = None
         eos = () if params.ignore_eos else shared.eos_token_ids
         self.stop_tokens = frozenset(eos) | frozenset(params.stop_token_ids)  # tokens that end the output
-        self.calibration = shared.calibration.for_request(REQUEST_CALIBRATION_RATE)
+        self.acceptance = shared.acceptance.for_request()  # how likely each draft node is accepted
         # min_tokens keeps EOS out even with ignore_eos, as vLLM does.
         suppressed = (*shared.eos_token_ids, *params.stop_token_ids)
         self.selector = TokenSelector(params, prompt_ids, suppressed, shared.device, grammar)
@@ -138,6 +137,7 @@ class Generation:
         self.prompt_logprobs: list[PositionLogprobs | None] | None = None
         self.stop_words = shared.stop_words
         self.drafter: Drafter | None = None
+        self.retrieved: Draft | None = None  # the latest draft retrieved, before the step's plan trimmed it
         if config.drafting:
             self.drafter = make_drafter(
                 DraftRequest(
@@ -148,7 +148,8 @@ class Generation:
                     shared.trie_depth,
                     self.stop_tokens,
                     self.stop_words,
-                    siblings.trie if siblings is not None else None,
+                    recycled=shared.recycled,
+                    siblings=siblings.trie if siblings is not None else None,
                 )
             )
         # The shared trie learns outputs, keyed by the prompt's last tokens so that they can be queried.
@@ -243,13 +244,13 @@ class Generation:
         if forced:
             draft = Draft.below_chain(root, forced, FROM_GRAMMAR, draft)
         self.stats.retrieval_seconds.append(time.perf_counter() - started)
+        self.retrieved = draft
         return draft
 
     def record_verdict(self, draft: Draft, verdict: Verdict) -> None:
-        """Count the draft's fed and accepted tokens, and calibrate its probabilities against them."""
+        """Count the draft's fed and accepted tokens, and learn acceptance from them."""
         if len(draft) > 1:
-            for calibration in (self.shared.calibration, self.calibration):
-                calibration.observe(draft, verdict.accepted_nodes)
+            self.acceptance.observe(draft, verdict.accepted_nodes)
         self.stats.draft_tokens += len(draft) - 1
         self.stats.drafts += len(draft) > 1
         self.stats.accepted_draft_tokens += len(verdict.accepted_nodes)
@@ -283,6 +284,7 @@ class Generation:
                 break
         texts += [""] * (len(tokens) - len(texts))  # an end token whose text is left out
         self.ids.extend(tokens)
+        self.retrieved = None
         self.stats.output_tokens += len(tokens)
         self.selector.commit(tokens)
         learned = tokens[:stop_at] if stop_at is not None else tokens

@@ -2,9 +2,11 @@
 
 Chat requests share at least their template's system prompt (24 tokens for the default model,
 a quarter to a third of a short question), and a conversation's next turn repeats the whole
-previous one. A prefill is bound by arithmetic, so every token found here is one the model
-does not recompute. Entries are whole prompts, least recently used dropped first, within a
-bound on the KV positions held; a lookup takes the longest common prefix with any of them.
+previous one, the assistant's answer included: a finished request leaves its prompt and its
+output here. A prefill is bound by arithmetic, so every token found here is one the model does
+not recompute. Entries are whole token sequences, least recently used dropped first, within a
+bound on the KV positions held (an entry whose tokens begin a new one's is dropped for it); a
+lookup takes the longest common prefix with any of them.
 Logits over a cached prefix equal those over a recomputed one up to the attention kernel's
 summation order, which depends on how many rows it is fed (~1e-7 relative, as between a plain
 prefill and the decoder's own steps; tests/unit/runtime/test_prefix_cache.py).
@@ -77,6 +79,10 @@ class PrefixCache:
         held = keys[0].shape[-2] if keys else 0
         if held > self.capacity or key in self._entries:
             return
+        # An entry holding a prefix of this one is subsumed by it: a finished request's prompt
+        # and output replace its prompt's entry.
+        for shorter in [k for k in self._entries if len(k) < len(key) and key[: len(k)] == k]:
+            self._held -= self._entries.pop(shorter).keys[0].shape[-2]
         while self._held + held > self.capacity:
             _, dropped = self._entries.popitem(last=False)
             self._held -= dropped.keys[0].shape[-2]

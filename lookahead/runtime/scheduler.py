@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
 from ..algorithm.draft import Draft
-from ..algorithm.planner import Calibration, CostModel, least_paying_weight, plan_step
+from ..algorithm.planner import AcceptanceEstimate, CostModel, least_paying_weight, plan_step
 from ..config import LookaheadConfig
 
 # While a prompt is being read, drafts may take at most this share of what the running
@@ -28,7 +28,7 @@ class Schedulable(Protocol):
     ids: list[int]  # the prompt, then every committed token
     fed: int | None  # prompt entries the KV pool holds
     config: LookaheadConfig
-    calibration: Calibration
+    acceptance: AcceptanceEstimate
 
     @property
     def root(self) -> int: ...
@@ -106,7 +106,7 @@ def schedule(
         drafts.append(draft)
     drafts = plan_step(
         drafts,
-        [request.calibration for request in rooted],
+        [request.acceptance for request in rooted],
         [request.config.adaptive for request in rooted],
         cost,
         len(rooted) + chunks + room,

@@ -386,3 +386,27 @@ def test_the_trie_survives_a_restart(tmp_path, default_model):
         warm = generate(warm_server, "lookahead", body)
     assert warm["text_output"] == cold[0]["text_output"] == cold[1]["text_output"]
     assert warm["total_accepted_draft_tokens"] > max(reply["total_accepted_draft_tokens"] for reply in cold)
+
+
+def test_a_request_chooses_its_drafter_and_the_output_stays_the_same(server, expected):
+    """Per request, `drafter` in sampling_parameters: the tries and copies, the model's recycled
+    candidates alone (warm: every verified row of the request before taught the table), or both;
+    each drafts, and every output is the library's. An unknown drafter is refused by name."""
+    for drafter in ("trie", "recycled", "hybrid"):
+        reply = generate(
+            server,
+            "lookahead",
+            {
+                "text_input": PROMPT,
+                "return_perf_metrics": True,
+                "parameters": {"max_tokens": MAX_TOKENS, "temperature": 0, "drafter": drafter},
+            },
+        )
+        assert reply["text_output"] == PROMPT + expected["text"], drafter
+        assert reply["total_draft_tokens"] > 0 and reply["total_accepted_draft_tokens"] > 0, drafter
+    status, text = post(
+        server,
+        "/v2/models/lookahead/generate",
+        {"text_input": PROMPT, "parameters": {"max_tokens": 4, "drafter": "oracle"}},
+    )
+    assert status == 400 and "drafter must be one of trie, hybrid, recycled, got 'oracle'" in text

@@ -11,9 +11,14 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from .protocol import Drafter, DraftQuery, DraftRequest
-from .trie import TrieDrafter
+from .recycled import RecycledDrafter
+from .trie import HybridDrafter, TrieDrafter
 
-DRAFTERS: dict[str, Callable[[DraftRequest], Drafter]] = {"trie": TrieDrafter}
+DRAFTERS: dict[str, Callable[[DraftRequest], Drafter]] = {
+    "trie": TrieDrafter,
+    "hybrid": HybridDrafter,
+    "recycled": RecycledDrafter,
+}
 
 
 def make_drafter(request: DraftRequest) -> Drafter:
@@ -21,4 +26,13 @@ def make_drafter(request: DraftRequest) -> Drafter:
     return DRAFTERS[request.config.drafter](request)
 
 
-__all__ = ["DRAFTERS", "DraftQuery", "DraftRequest", "Drafter", "TrieDrafter", "make_drafter"]
+__all__ = [
+    "DRAFTERS",
+    "DraftQuery",
+    "DraftRequest",
+    "Drafter",
+    "HybridDrafter",
+    "RecycledDrafter",
+    "TrieDrafter",
+    "make_drafter",
+]

@@ -4,7 +4,9 @@ The request's own trie (its prompt, and its output where the instance's trie doe
 it; shared with the other samples of its prompt, whose outputs it holds too), the instance's
 shared trie (every earlier output), and a copy of what followed the longest earlier repeat of
 the request's latest tokens (spans.py). Under a structured-output grammar, retrieval searches
-only among the nodes the grammar admits.
+only among the nodes the grammar admits. The hybrid drafter adds the model's recycled
+candidates (recycling.py) where those leave probability unclaimed: where the text has nothing
+to copy, it still drafts what the model said after the same token before.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from ..draft import Draft
+from ..draft import FROM_OWN_OUTPUT, FROM_SHARED_TRIE, Draft
 from ..retrieval import retrieve_draft
 from ..spans import SpanIndex
 from ..trie import NGramTrie
@@ -22,11 +24,21 @@ if TYPE_CHECKING:
     from ..verify import Verdict
 
 
+def mark_own_output(draft: Draft, since: int) -> None:
+    """Mark the shared-trie nodes last counted less than `since` ticks ago as the request's own output."""
+    for i, (origin, evidence) in enumerate(zip(draft.origins, draft.evidence)):
+        if origin & FROM_SHARED_TRIE and 0 <= evidence.age < since:
+            draft.origins[i] = origin | FROM_OWN_OUTPUT
+
+
 class TrieDrafter:
     """Drafts for one request from its own trie, the shared trie and its span copy."""
 
+    recycles = False  # whether the model's recycled candidates join the tree
+
     def __init__(self, request: DraftRequest) -> None:
         self.config = request.config
+        self.recycled = request.recycled if self.recycles else None
         self.shared = request.shared
         self.stop_tokens = request.stop_tokens
         self.stop_words = request.stop_words
@@ -48,13 +60,16 @@ class TrieDrafter:
             writer.feed(request.prompt)
         self.writer = writer if learns_output else None
         self.spans = SpanIndex(request.prompt)
+        # The shared trie's clock when the request started: n-grams counted since are this
+        # request's own output (or, beside it, other running requests').
+        self.started = request.shared.tick if request.shared is not None else 0
 
     def retrieve(self, query: DraftQuery) -> Draft:
         """retrieve_draft after the context and the tokens drafted past it (where no copy of the
         request's own text goes on)."""
         size = self.config.max_query_length
         context = [*query.context[-size:], *query.after][-size:]
-        return retrieve_draft(
+        draft = retrieve_draft(
             context,
             self.local,
             self.shared,
@@ -67,7 +82,11 @@ class TrieDrafter:
             stop_words=self.stop_words,
             min_prob=query.min_prob,
             admits=query.admits,
+            recycled=self.recycled,
         )
+        if self.shared is not None:
+            mark_own_output(draft, self.shared.tick - self.started)
+        return draft
 
     def record_verdict(self, draft: Draft, verdict: Verdict) -> None:
         """Nothing: the tries learn from committed tokens, and calibration is the runtime's."""
@@ -76,3 +95,10 @@ class TrieDrafter:
         if self.writer is not None:
             self.writer.feed(tokens, self.stop_words)
         self.spans.extend(tokens)
+
+
+class HybridDrafter(TrieDrafter):
+    """The trie drafter's tree, with the model's recycled candidates where the tries and the copy
+    leave probability unclaimed."""
+
+    recycles = True

@@ -55,7 +55,7 @@ def oracle(monkeypatch: pytest.MonkeyPatch) -> type[Oracle]:
 def test_every_drafter_name_has_a_drafter() -> None:
     assert set(DRAFTERS) == set(DRAFTER_NAMES)
     assert DRAFTERS["trie"] is TrieDrafter
-    with pytest.raises(ValueError, match="drafter must be one of trie, got 'suffix'"):
+    with pytest.raises(ValueError, match="drafter must be one of trie, hybrid, recycled, got 'suffix'"):
         LookaheadConfig(drafter="suffix")
 
 

@@ -136,3 +136,21 @@ def test_a_copy_backs_off_to_the_tries_for_other_tokens():
     assert first[70] == pytest.approx(copy.conditional(0))
     assert sum(first.values()) <= 1.0 + 1e-9
     assert draft.tokens[1:3] == [70, 71]  # best branch first
+
+
+def test_an_edit_made_once_is_drafted_at_the_next_occurrence():
+    """A rename: the output copies the first line with 50 written as 60; once the copy agrees
+    again, the next line's 50 after the same token is drafted as 60."""
+    first = [10, 11, 12, 13, 50, 14, 15, 16, 17]
+    second = [20, 21, 22, 13, 50, 24, 25]
+    index = SpanIndex([*first, *second, 99])
+    index.extend([10, 11, 12, 13])
+    assert index.continuation(2).tokens == [50, 14]
+    index.extend([60, 14, 15, 16, 17])
+    copy = index.continuation(7)
+    assert copy.tokens == [20, 21, 22, 13, 60, 24, 25]
+    assert copy.edits == {4: 1}
+    assert copy.conditional(4) == 2 / 3  # one sighting: (1 + 1) / (1 + 2)
+    assert copy.conditional(5) == (4 + 5 + 1) / (4 + 5 + 2)  # the matched context's rule again
+    index.extend([20, 21, 22, 13, 50])  # the model kept the old name here: the copy follows the source
+    assert index.continuation(2).tokens == [24, 25]

@@ -211,7 +211,7 @@ def test_return_flags():
         (
             {"sampling_parameters": sampling({"drafter": "oracle"})},
             None,
-            "drafter must be one of trie, got 'oracle'",
+            "drafter must be one of trie, hybrid, recycled, got 'oracle'",
         ),
         ({}, {"max_tokens": "-3"}, "max_tokens must be >= 1, got -3"),
     ],

@@ -9,6 +9,7 @@ import re
 import pytest
 
 from bench.prompt_sets import PROMPT_SET_NAMES, load_prompt_set
+from bench.stdlib_sets import coding_conversations
 
 CODE_BLOCK = re.compile(r"```python\n(.*)\n```", re.DOTALL)
 
@@ -101,4 +102,18 @@ def test_every_advertised_name_loads() -> None:
         "mtbench",
         "gsm8k",
         "code_edit",
+        "doc_qa",
     ]
+
+
+def test_stdlib_sets_carry_real_documentation_and_four_turn_conversations() -> None:
+    doc_qa = load_prompt_set("doc_qa")
+    assert doc_qa.use_chat_template and len(doc_qa.prompts) > 50
+    assert doc_qa.prompts[0].startswith("Documentation of `textwrap.") and "?" in doc_qa.prompts[0]
+    conversations = coding_conversations()
+    assert len(conversations) > 50 and len({c.name for c in conversations}) == len(conversations)
+    first = conversations[0]
+    assert len(first.turns) == 4 and first.name.startswith("textwrap.")
+    function = first.name.rsplit(".", 1)[1]
+    assert f"def {function}(" in first.turns[0] and "```python" in first.turns[0]
+    assert all("whole function again" in turn for turn in first.turns[1:])

@@ -158,3 +158,22 @@ def test_the_bound_counts_every_position_an_entry_holds(tiny_model) -> None:
     cache.store([8, 9, 10, 11], *prefilled(model, [8, 9, 10, 11]))
     assert cache.tokens == 4 <= cache.capacity  # 7 + 4 would not fit: the first entry went
     assert cache.lookup(prompt + [0])[0] == 0
+
+
+def test_a_conversations_next_turn_finds_the_last_answer_cached(tiny_model, byte_tokenizer) -> None:
+    """A finished request leaves its prompt and its output: the next turn, which sends both back
+    with a new question, prefills only the new question, and stays lossless."""
+    model = tiny_model("qwen2")
+    decoder = LookaheadDecoder(model, byte_tokenizer, NGramTrie(capacity=10_000, max_depth=9))
+    first = list(b"User: name three colors.\nAssistant:")
+    answer, _ = decoder.generate(first, SamplingParams(max_tokens=10))
+    assert list(decoder.runner.prefix_cache._entries) == [tuple(first + answer[:-1])]  # the prompt's went
+    second = first + answer + list(b"\nUser: and three more?\nAssistant:")
+    ids, stats = decoder.generate(second, SamplingParams(max_tokens=10))
+    assert stats.cached_prompt_tokens == len(first) + len(answer) - 1
+    assert ids == plain_greedy(model, second, 10)
+    cancelled = decoder.start(list(b"User: a cancelled one.\nAssistant:"), SamplingParams(max_tokens=10))
+    cancelled.step()
+    cancelled.step()
+    cancelled.close()
+    assert all(len(key) != len(cancelled.ids) - 1 for key in decoder.runner.prefix_cache._entries)

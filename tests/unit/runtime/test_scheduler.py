@@ -29,7 +29,7 @@ class Request:
     prompt_len: int
     offer: int = 0
     config: LookaheadConfig = LookaheadConfig()
-    calibration: Calibration = field(default_factory=lambda: Calibration.uniform(1.0))
+    acceptance: Calibration = field(default_factory=lambda: Calibration.uniform(1.0))
     fails: bool = False
     asked: list[int] = field(default_factory=list)  # max_width of every retrieve
 
@@ -119,7 +119,7 @@ def test_above_max_speculative_batch_nobody_drafts() -> None:
 
 def test_drafts_are_trimmed_where_they_do_not_pay() -> None:
     steep = CostModel({q: float(q) for q in POINTS})  # every token costs a whole forward
-    request = running(offer=10, calibration=Calibration.uniform(0.1))
+    request = running(offer=10, acceptance=Calibration.uniform(0.1))
     (item,) = schedule([request], budget=64, cost=steep).scheduled
     assert len(item.draft) == 1
 
@@ -135,6 +135,7 @@ import json, sys
 sys.modules["torch"] = None  # any import of torch raises
 from lookahead.algorithm.drafters import DRAFTERS
 from lookahead.algorithm.planner import CostModel
+import lookahead.algorithm.acceptance, lookahead.algorithm.recycling
 from lookahead.runtime.scheduler import schedule
 import lookahead.algorithm.verify
 print(json.dumps({"plan": len(schedule([], 8, CostModel.for_device("cpu")).scheduled),
@@ -144,4 +145,4 @@ print(json.dumps({"plan": len(schedule([], 8, CostModel.for_device("cpu")).sched
         [sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=120
     )
     assert finished.returncode == 0, finished.stderr
-    assert json.loads(finished.stdout) == {"plan": 0, "drafters": ["trie"]}
+    assert json.loads(finished.stdout) == {"plan": 0, "drafters": ["hybrid", "recycled", "trie"]}

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from lookahead import LookaheadConfig, LookaheadDecoder, NGramTrie, SamplingParams
-from lookahead.algorithm.draft import FROM_COPY, FROM_SHARED_TRIE
+from lookahead.algorithm.draft import FROM_COPY, FROM_OWN_OUTPUT, FROM_SHARED_TRIE
 from lookahead.algorithm.retrieval import retrieve_draft
 from lookahead.algorithm.spans import Copy
 from lookahead.algorithm.trie import NO_NODE
@@ -39,13 +39,25 @@ def test_a_stop_word_root_drafts_nothing_from_a_one_token_context() -> None:
 def test_draft_nodes_say_where_they_came_from() -> None:
     shared = NGramTrie(capacity=1000, max_depth=6)
     shared.insert([3, 4, 5])
-    copy = Copy([4, 9, 9], matched=8)
+    copy = Copy([4, 9, 9], matched=8, from_prompt=1)  # 4 from the prompt, then the request's output
     draft = retrieve_draft([3], None, shared, decoding_length=8, branch_length=3, copy=copy)
     by_token = dict(zip(draft.tokens[1:], draft.origins[1:]))
     assert by_token[4] == FROM_COPY | FROM_SHARED_TRIE
-    assert by_token[9] == FROM_COPY
+    assert by_token[9] == FROM_COPY | FROM_OWN_OUTPUT
     assert by_token[5] == FROM_SHARED_TRIE
-    assert draft.origin_counts() == {"copy": 3, "request trie": 0, "shared trie": 2, "grammar": 0}
+    assert draft.origin_counts() == {
+        "copy": 3,
+        "request trie": 0,
+        "shared trie": 2,
+        "grammar": 0,
+        "own output": 2,
+        "fleet": 0,
+        "recycled": 0,
+    }
+    # what a node's estimate rests on: the copy's agreement so far, the n-gram's count and age
+    evidence = dict(zip(draft.tokens[1:], draft.evidence[1:]))
+    assert evidence[4].matched == 8 and evidence[4].count == 1.0 and evidence[4].age >= 0
+    assert evidence[5] == (2, 1.0, shared.age(shared.match([3, 4, 5])), 1)  # below the copy's 9
 
 
 def test_decoding_with_stop_words_is_lossless_and_learns_no_output_ngram_at_them(

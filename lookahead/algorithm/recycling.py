@@ -1,0 +1,72 @@
+"""The model's own candidates, recycled (Token Recycling): for each token, the tokens the model
+ranked most likely next the last time it read that token.
+
+Every verification forward computes the next-token distribution at every node it feeds, and
+verification reads one token of each. The rest is what the model would say after that token,
+in that context: after `def` a name, after `(` an argument, in English the usual next words.
+Kept per token, the top `k` of the latest such distribution draft where the request's text and
+the tries have nothing to copy. The table is the instance's, bounded by the vocabulary: `vocab x
+k` token ids (int32) and probabilities (float16), and per row the update that wrote it; a row is
+replaced whole, with the distribution of the latest verified position that read its token (rows
+of the accepted path last, as theirs is the text the request goes on from).
+
+No torch here: the runtime computes each row's top k from the logits (runtime/recycling.py).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+# Candidates kept per token: Token Recycling's 8 (more add little: drafts read the first few).
+CANDIDATES = 8
+
+
+class RecycleTable:
+    """Per token id, the `k` most likely next tokens (-1: none yet) and their probabilities."""
+
+    def __init__(self, vocab_size: int, k: int = CANDIDATES) -> None:
+        if vocab_size < 1 or k < 1:
+            raise ValueError(f"vocab_size and k must be >= 1, got {vocab_size} and {k}")
+        self.candidates = np.full((vocab_size, k), -1, dtype=np.int32)
+        self.probs = np.zeros((vocab_size, k), dtype=np.float16)
+        self.written = np.full(vocab_size, -1, dtype=np.int64)  # the update that wrote each row
+        self.updates = 0
+
+    @property
+    def k(self) -> int:
+        return self.candidates.shape[1]
+
+    @property
+    def vocab_size(self) -> int:
+        return self.candidates.shape[0]
+
+    @property
+    def byte_size(self) -> int:
+        return self.candidates.nbytes + self.probs.nbytes + self.written.nbytes
+
+    def update(self, tokens: np.ndarray, candidates: np.ndarray, probs: np.ndarray) -> None:
+        """Row tokens[i] becomes (candidates[i], probs[i]) ([n, k] each, most likely first); of a
+        token given twice, its last row counts."""
+        tokens = np.asarray(tokens, dtype=np.int64)
+        if not len(tokens):
+            return
+        if candidates.shape != (len(tokens), self.k) or probs.shape != candidates.shape:
+            raise ValueError(f"expected [{len(tokens)}, {self.k}] candidates and probabilities")
+        # the last occurrence of each token: first occurrence in the reversed order
+        unique, first = np.unique(tokens[::-1], return_index=True)
+        rows = len(tokens) - 1 - first
+        self.updates += 1
+        self.candidates[unique] = candidates[rows]
+        self.probs[unique] = probs[rows]
+        self.written[unique] = self.updates
+
+    def next_tokens(self, token: int, limit: int) -> list[tuple[int, float]]:
+        """Up to `limit` (candidate, probability) the model ranked after `token` last time."""
+        row = self.candidates[token, :limit].tolist()
+        probs = self.probs[token, :limit].tolist()
+        return [(candidate, p) for candidate, p in zip(row, probs) if candidate >= 0]
+
+    def age(self, token: int) -> int:
+        """Updates since `token`'s row was written (-1: never)."""
+        written = int(self.written[token])
+        return self.updates - written if written >= 0 else -1

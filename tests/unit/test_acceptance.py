@@ -1,0 +1,205 @@
+"""The acceptance predictor: calibrated on synthetic verdict streams, better than the class
+calibration where acceptance depends on what the drafter knows, bounded in memory."""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+
+import numpy as np
+
+from lookahead.algorithm.acceptance import (
+    ONE_HOTS,
+    SOURCES,
+    WEIGHTS,
+    AcceptancePredictor,
+    features,
+    source_of,
+    verified_nodes,
+)
+from lookahead.algorithm.draft import (
+    FROM_COPY,
+    FROM_OWN_OUTPUT,
+    FROM_RECYCLED,
+    FROM_REQUEST_TRIE,
+    FROM_SHARED_TRIE,
+    Draft,
+    Evidence,
+)
+from lookahead.algorithm.planner import Calibration
+
+
+@dataclass(frozen=True)
+class Kind:
+    """A kind of node: what the drafter says (origins, raw conditional, matched) and the truth."""
+
+    origins: int
+    raw: float
+    matched: int
+    truth: float
+
+
+# The drafter's own estimate misleads differently per kind: a copy after a long match is nearly
+# certain, a copy resumed after one agreeing token is not, an n-gram is overrated at depth 1.
+KINDS = (
+    Kind(FROM_COPY, 0.97, 40, 0.97),
+    Kind(FROM_COPY, 0.83, 1, 0.35),
+    Kind(FROM_SHARED_TRIE, 0.8, 4, 0.55),
+    Kind(FROM_REQUEST_TRIE, 0.6, 6, 0.6),
+    Kind(FROM_RECYCLED, 0.6, 1, 0.2),
+    Kind(FROM_COPY | FROM_OWN_OUTPUT, 0.9, 12, 0.9),
+)
+
+
+def synthetic_draft(rng: random.Random) -> tuple[Draft, list[float]]:
+    """A root with a chain of one kind and a side branch of another; each node's true conditional."""
+    main, side = rng.choice(KINDS), rng.choice(KINDS)
+    length = rng.randint(1, 6)
+    tokens, parents, probs, origins, evidence, truth = [0], [-1], [1.0], [0], [Evidence()], [1.0]
+    for depth in range(length):
+        tokens.append(100 + depth)
+        parents.append(depth)
+        probs.append(probs[-1] * main.raw)
+        origins.append(main.origins)
+        evidence.append(Evidence(main.matched + depth, 2.0, 10, 0))
+        truth.append(main.truth)
+    share = min(side.truth, 1.0 - main.truth)  # siblings exclude each other
+    tokens.append(200)
+    parents.append(0)
+    probs.append(side.raw * (1 - main.raw))
+    origins.append(side.origins)
+    evidence.append(Evidence(side.matched, 1.0, 10, 1))
+    truth.append(share)
+    return Draft(tokens, parents, probs, origins, evidence), truth
+
+
+def verdict(draft: Draft, truth: list[float], rng: random.Random) -> list[int]:
+    """The model walks down: at each reached node it takes one child by the true conditionals, or none."""
+    children = draft.children()
+    node, accepted = 0, []
+    while children[node]:
+        pick, roll = None, rng.random()
+        for child in children[node]:
+            roll -= truth[child]
+            if roll < 0:
+                pick = child
+                break
+        if pick is None:
+            break
+        accepted.append(pick)
+        node = pick
+    return accepted
+
+
+def log_loss(pairs: list[tuple[float, bool]]) -> float:
+    return -sum(math.log(max(p, 1e-4)) if y else math.log(max(1 - p, 1e-4)) for p, y in pairs) / len(pairs)
+
+
+def conditionals_of(weights: list[float], draft: Draft) -> list[float]:
+    return [weights[i] / max(weights[p], 1e-12) for i, p in enumerate(draft.parents) if i]
+
+
+def test_it_learns_calibrated_acceptance_that_the_class_calibration_cannot_see() -> None:
+    rng = random.Random(0)
+    predictor = AcceptancePredictor()
+    calibration = Calibration.uniform(0.7)
+    for request in range(40):  # requests come and go; the instance's weights stay
+        mine, theirs = predictor.for_request(), calibration.for_request(0.15)
+        for _ in range(50):
+            draft, truth = synthetic_draft(rng)
+            accepted = verdict(draft, truth, rng)
+            mine.observe(draft, accepted)
+            for estimate in (calibration, theirs):
+                estimate.observe(draft, accepted)
+    # held out: predicted conditional against the truth, kind by kind, and log-loss on the verdicts
+    ours, classes, by_kind = [], [], {}
+    view, theirs = predictor.for_request(), calibration.for_request(0.15)
+    for _ in range(3000):
+        draft, truth = synthetic_draft(rng)
+        accepted = verdict(draft, truth, rng)
+        mask, taken = verified_nodes(draft, accepted)
+        predicted = view.conditionals(draft)
+        baseline = conditionals_of(theirs.calibrated(draft), draft)
+        for i in np.flatnonzero(mask):
+            ours.append((float(predicted[i]), bool(taken[i])))
+            classes.append((baseline[i], bool(taken[i])))
+            key = (draft.origins[i + 1], draft.evidence[i + 1].matched >= 20)
+            by_kind.setdefault(key, []).append((float(predicted[i]), truth[i + 1]))
+    for key, pairs in by_kind.items():
+        if len(pairs) > 200:
+            mean_predicted = sum(p for p, _ in pairs) / len(pairs)
+            mean_true = sum(t for _, t in pairs) / len(pairs)
+            assert abs(mean_predicted - mean_true) < 0.06, key
+    assert log_loss(ours) < log_loss(classes) - 0.02
+
+
+def test_a_request_that_copies_more_reliably_than_the_instance_is_trusted_more_at_once() -> None:
+    rng = random.Random(1)
+    predictor = AcceptancePredictor()
+    average = predictor.for_request()
+    for _ in range(300):
+        draft, truth = synthetic_draft(rng)
+        average.observe(draft, verdict(draft, truth, rng))
+    reliable = predictor.for_request()
+    draft = Draft(
+        [0, 1, 2],
+        [-1, 0, 1],
+        [1.0, 0.83, 0.69],
+        [0, FROM_COPY, FROM_COPY],
+        [Evidence(), Evidence(1), Evidence(2)],
+    )
+    before = reliable.conditionals(draft)[0]
+    for _ in range(20):
+        reliable.observe(draft, [1, 2])  # this request's resumed copies always hold
+    assert reliable.conditionals(draft)[0] > before + 0.1
+    assert predictor.for_request().conditionals(draft)[0] < reliable.conditionals(draft)[0]
+
+
+def test_siblings_share_at_most_certainty_and_weights_never_grow_down_a_branch() -> None:
+    predictor = AcceptancePredictor()
+    view = predictor.for_request()
+    view.offsets[:] = 8.0  # every node near certain on its own
+    draft = Draft(
+        [0, 1, 2, 3, 4],
+        [-1, 0, 0, 0, 1],
+        [1.0, 0.9, 0.8, 0.7, 0.8],
+        [0, FROM_COPY, FROM_SHARED_TRIE, FROM_REQUEST_TRIE, FROM_COPY],
+        [
+            Evidence(),
+            Evidence(9, 0, -1, 0),
+            Evidence(3, 4, 5, 1),
+            Evidence(3, 1, -1, 2),
+            Evidence(10, 0, -1, 0),
+        ],
+    )
+    conditionals = view.conditionals(draft)
+    assert conditionals[:3].sum() <= 1.0 + 1e-9
+    weights = view.calibrated(draft)
+    assert weights[0] == 1.0 and all(weights[i] <= weights[p] for i, p in enumerate(draft.parents) if i)
+
+
+def test_memory_is_fixed_however_long_it_learns() -> None:
+    rng = random.Random(2)
+    predictor = AcceptancePredictor()
+    assert predictor.weights.shape == predictor.seen.shape == (WEIGHTS,)
+    view = predictor.for_request()
+    for _ in range(2000):
+        draft, truth = synthetic_draft(rng)
+        view.observe(draft, verdict(draft, truth, rng))
+    assert predictor.weights.shape == (WEIGHTS,) and view.offsets.shape == (len(SOURCES),)
+    assert np.isfinite(predictor.weights).all()
+    assert sorted(vars(predictor)) == ["seen", "weights"] and sorted(vars(view)) == ["offsets", "predictor"]
+
+
+def test_sources_and_features_read_what_the_drafter_knew() -> None:
+    assert SOURCES[source_of(FROM_COPY | FROM_SHARED_TRIE)] == "copy of the prompt"
+    assert SOURCES[source_of(FROM_COPY | FROM_OWN_OUTPUT)] == "copy of the output"
+    assert SOURCES[source_of(FROM_SHARED_TRIE | FROM_OWN_OUTPUT)] == "shared trie, this request"
+    assert SOURCES[source_of(FROM_RECYCLED)] == "recycled"
+    draft, _ = synthetic_draft(random.Random(3))
+    found = features(draft)
+    m = len(draft) - 1
+    assert found.columns.shape == (m, ONE_HOTS) and found.bits.shape == (m, 7)
+    assert (found.columns < WEIGHTS).all() and (found.slope < WEIGHTS).all()
+    assert found.parents.tolist() == draft.parents[1:]
