@@ -14,8 +14,11 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 DECODING_MODES = ("hier", "par", "one")
-# "packed": the fast CPU path (lookahead/cpu); "stock": transformers' layers; "auto": packed where it runs.
-LINEAR_KERNELS = ("auto", "packed", "stock")
+# The fast CPU path (lookahead/cpu): "integer" multiplies int8 activations with the integer forms of
+# quantised weights (llama.cpp's arithmetic) in fused layers; "packed" keeps fp32 activations and
+# computes transformers' own bits. "stock": transformers' layers. "auto": integer where the weights
+# have integer forms, else packed, where the fast path runs; else stock.
+LINEAR_KERNELS = ("auto", "integer", "packed", "stock")
 
 
 def _require(condition: bool, message: str) -> None:
