@@ -78,7 +78,7 @@ def apply_fast_path(model: Any, linear_kernel: str = "auto", variant: Variant | 
         logger.info("linear_kernel auto: stock (%s)", error)
         return FastPath("stock", reason=str(error))
     activations = "fp32" if linear_kernel == "packed" else "int8"
-    pack_linear_layers(model, extension, activations)
+    pack_linear_layers(model, extension, activations=activations)
     if linear_kernel == "auto":
         linear_kernel = "integer" if integer_activations(model) else "packed"
     lean = use_lean_layers(model, extension, fused=linear_kernel == "integer")

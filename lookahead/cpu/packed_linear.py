@@ -38,32 +38,50 @@ FUSED_SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
 class PackedWeights(nn.Module):
-    """One matrix packed for the kernel: an integer form, or fp32 weights [N, K] (the packing
-    entry point for weights from any source; `packed_weights` finds the form of linear layers).
+    """The weights of one or more fp32 linear layers (same input) packed for the kernel.
 
+    Kept as integer blocks (`form` int8 or int4) when exactly representable, else as fp32.
     activations "int8" multiplies an integer form with quantised activations where it can (a
     multiple of 32 inputs), else fp32 activations are used. Fused siblings share one kernel call:
     the product is kept, keyed by the input tensor's identity, until every sibling has taken it.
     """
 
-    def __init__(
-        self,
+    def __init__(self, linears: list[nn.Linear], extension: ModuleType, *, activations: str = "fp32"):
+        super().__init__()
+        weight = torch.cat([linear.weight.detach() for linear in linears])
+        form = cached_integer_form(weight)
+        biases = [linear.bias for linear in linears]
+        bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
+        self._pack(weight if form is None else form, bias, extension, activations, len(linears))
+
+    @classmethod
+    def of(
+        cls,
         weights: IntegerForm | torch.Tensor,
         bias: torch.Tensor | None,
         extension: ModuleType,
         activations: str = "fp32",
-        siblings: int = 1,
-    ):
-        super().__init__()
+    ) -> PackedWeights:
+        """One matrix packed from an integer form or fp32 weights [N, K] (and its bias)."""
+        packed = cls.__new__(cls)
+        nn.Module.__init__(packed)
+        packed._pack(weights, bias, extension, activations, 1)
+        return packed
+
+    def _pack(
+        self,
+        weights: IntegerForm | torch.Tensor,
+        bias: torch.Tensor | None,
+        extension: ModuleType,
+        activations: str,
+        siblings: int,
+    ) -> None:
         if activations not in ACTIVATIONS:
             raise ValueError(f"activations must be one of {', '.join(ACTIVATIONS)}, not {activations!r}")
         integer = isinstance(weights, IntegerForm)
         self.out_features, self.in_features = weights.q.shape if integer else weights.shape
-        self.activations = (
-            "int8"
-            if activations == "int8" and integer and self.in_features % _ACTIVATION_BLOCK == 0
-            else "fp32"
-        )
+        multiple = self.in_features % _ACTIVATION_BLOCK == 0
+        self.activations = "int8" if activations == "int8" and integer and multiple else "fp32"
         if not integer:
             self.form = "fp32"
             self.register_buffer("weight_packed", _pack_columns(weights.detach().float()))
@@ -116,18 +134,6 @@ class PackedWeights(nn.Module):
         )
 
 
-def packed_weights(
-    linears: list[nn.Linear], extension: ModuleType, activations: str = "fp32"
-) -> PackedWeights:
-    """fp32 linear layers reading the same input packed as one matrix, as an integer form where
-    their weights have one."""
-    weight = torch.cat([linear.weight.detach() for linear in linears])
-    biases = [linear.bias for linear in linears]
-    bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
-    form = cached_integer_form(weight)
-    return PackedWeights(weight if form is None else form, bias, extension, activations, len(linears))
-
-
 class PackedLinear(nn.Module):
     """Drop-in for one `nn.Linear`: outputs [start, stop) of a (possibly shared) `PackedWeights`."""
 
@@ -138,7 +144,7 @@ class PackedLinear(nn.Module):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, extension: ModuleType, activations: str = "fp32") -> PackedLinear:
-        return cls(packed_weights([linear], extension, activations), 0, linear.out_features)
+        return cls(PackedWeights([linear], extension, activations=activations), 0, linear.out_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.weights(x)
@@ -176,11 +182,11 @@ def _padded_rows(matrix: torch.Tensor) -> torch.Tensor:
     return padded
 
 
-def pack_linear_layers(model: nn.Module, extension: ModuleType, activations: str = "fp32") -> None:
+def pack_linear_layers(model: nn.Module, extension: ModuleType, *, activations: str = "fp32") -> None:
     """Replace every fp32 `nn.Linear` of `model` in place by a `PackedLinear` on `extension`'s kernel,
     with `activations` fp32 or int8 (where a matrix has an integer form)."""
     for parent, linears in linear_groups(model):
-        weights, start = packed_weights(list(linears.values()), extension, activations), 0
+        weights, start = PackedWeights(list(linears.values()), extension, activations=activations), 0
         for name, linear in linears.items():
             setattr(parent, name, PackedLinear(weights, start, start + linear.out_features))
             start += linear.out_features

@@ -89,7 +89,7 @@ def reference(form: IntegerForm, x: torch.Tensor, bias: torch.Tensor | None) -> 
 def test_the_kernel_computes_the_quantised_arithmetic_bit_for_bit(kind: str, extension: Any) -> None:
     form = random_form(kind, outputs=37, inputs=128, seed=len(kind))
     bias = torch.randn(37) if kind in ("q4_1", "q6_k") else None
-    packed = PackedWeights(form, bias, extension, activations="int8")
+    packed = PackedWeights.of(form, bias, extension, activations="int8")
     assert (packed.form, packed.activations) == ("int8" if kind in ("q8_0", "q6_k") else "int4", "int8")
     x = torch.randn(5, 128) * torch.logspace(-2, 1, 128)
     x[1, 32:64] = 0.0  # a block of zeros: d = 0
@@ -100,7 +100,7 @@ def test_the_kernel_computes_the_quantised_arithmetic_bit_for_bit(kind: str, ext
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0", "q6_k"])
 def test_a_rows_result_does_not_depend_on_the_rows_beside_it(kind: str, extension: Any) -> None:
     form = random_form(kind, outputs=300, inputs=256, seed=2)
-    packed = PackedWeights(form, None, extension, activations="int8")
+    packed = PackedWeights.of(form, None, extension, activations="int8")
     x = torch.randn(70, 256)
     together = packed.product(x)
     for count in (1, 2, 3, 5, 7, 16, 33):
@@ -117,7 +117,7 @@ def test_every_variant_computes_the_same_integer_bits(kind: str) -> None:
     x = torch.randn(40, 192)
     results = []
     for variant in runnable_variants():
-        packed = PackedWeights(
+        packed = PackedWeights.of(
             form,
             torch.randn(100, generator=torch.Generator().manual_seed(1)),
             load_extension(variant),
@@ -131,9 +131,9 @@ def test_every_variant_computes_the_same_integer_bits(kind: str) -> None:
 def test_weights_without_an_integer_form_or_a_multiple_of_32_inputs_keep_fp32_activations(
     extension: Any,
 ) -> None:
-    assert PackedWeights(torch.randn(20, 64), None, extension, "int8").activations == "fp32"
+    assert PackedWeights.of(torch.randn(20, 64), None, extension, "int8").activations == "fp32"
     form = random_form("q6_k", outputs=20, inputs=48, seed=1)  # 48 inputs: groups of 16, not of 32
-    packed = PackedWeights(form, None, extension, "int8")
+    packed = PackedWeights.of(form, None, extension, "int8")
     assert (packed.form, packed.activations) == ("int8", "fp32")
     with pytest.raises(ValueError, match="activations must be one of fp32, int8, not 'int4'"):
-        PackedWeights(form, None, extension, "int4")
+        PackedWeights.of(form, None, extension, "int4")
