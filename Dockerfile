@@ -9,7 +9,7 @@
 #
 # This project's OpenAI-compatible endpoint beside tritonserver (port 9000):
 #   docker run --rm --shm-size 1g -p 9000:9000 lookahead-triton \
-#     python3 -m backend.launcher --model-repository /opt/lookahead/model_repository --openai-port 9000
+#     python3 -m launcher --model-repository /opt/lookahead/model_repository --openai-port 9000
 # Triton's own OpenAI-compatible frontend instead of tritonserver (port 9000; the model follows the
 # vLLM backend's contract, hence --backend vllm; the tokenizer is the served model's own folder):
 #   docker run --rm --shm-size 1g -p 9000:9000 lookahead-triton \
@@ -35,6 +35,7 @@ RUN pip install /opt/tritonserver/python/tritonserver-*.whl \
 COPY lookahead ./lookahead
 COPY backend ./backend
 COPY frontend ./frontend
+COPY launcher ./launcher
 COPY model_repository ./model_repository
 
 # Convert the embedded default model once, at build time, so the server starts in seconds; on a
@@ -48,4 +49,4 @@ EXPOSE 8000 8001 8002 9000
 # Through the launcher: on `docker stop` (SIGTERM) it drains the models (requests answered, tries saved)
 # before tritonserver gets the signal; give it the time: docker stop -t 45.
 STOPSIGNAL SIGTERM
-CMD ["python3", "-m", "backend.launcher", "--model-repository", "/opt/lookahead/model_repository"]
+CMD ["python3", "-m", "launcher", "--model-repository", "/opt/lookahead/model_repository"]

@@ -17,16 +17,13 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from lookahead.algorithm.trie import MAX_DEPTH_LIMIT
-from lookahead.config import LINEAR_KERNELS, DecoderConfig, LookaheadConfig, TrieConfig
+from lookahead.config import DRAFTER_NAMES, LINEAR_KERNELS, DecoderConfig, LookaheadConfig, TrieConfig
+from lookahead.contract import MODEL_ENV, STATE_DIR_ENV, SYNC_ENV
 from lookahead.models.embedded import DEFAULT_MODEL
 from lookahead.models.loading import DTYPES
 from lookahead.state.sync import check_url
 
-from .launcher import MODEL_ENV, SYNC_ENV  # when set, replace every model's `model` / `trie_sync`
-
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
-# Folder holding each model's default trie_state_dir (<folder>/<model>); default <repo>/.state.
-STATE_DIR_ENV = "LOOKAHEAD_STATE_DIR"
 # Keys read by others, accepted beside PARAMETERS: the Python backend's own, and the vLLM backend's
 # health check switch, whose behaviour (a failed engine unreadies and unloads its model) is built in.
 ACCEPTED_KEYS = frozenset({"EXECUTION_ENV_PATH", "FORCE_CPU_ONLY_INPUT_TENSORS", "ENABLE_VLLM_HEALTH_CHECK"})
@@ -257,6 +254,7 @@ PARAMETERS: dict[str, tuple[tuple[str, ...], Callable[..., Any]]] = {
     "stop_words": (("lookahead", "stop_words"), _stop_words),
     "debug": (("lookahead", "debug"), _bool),
     "learn": (("lookahead", "learn"), _bool),
+    "drafter": (("lookahead", "drafter"), _choice(DRAFTER_NAMES)),
     "step_token_budget": (("decoder", "step_token_budget"), _int(minimum=1)),
     "max_speculative_batch": (("decoder", "max_speculative_batch"), _int(minimum=0)),
     "prefix_cache_tokens": (("decoder", "prefix_cache_tokens"), _int(minimum=0)),

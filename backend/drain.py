@@ -21,7 +21,8 @@ import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-DRAIN_ENV = "LOOKAHEAD_DRAIN_DIR"
+from lookahead.contract import DRAIN_ENV
+
 REQUEST_FILE = "drain"
 POLL_S = 0.2
 

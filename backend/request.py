@@ -16,6 +16,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from lookahead.config import MAX_STOP_WORDS, LookaheadConfig, SamplingParams
+from lookahead.contract import LOOKAHEAD_OVERRIDES
 
 from .sampling_keys import sampling_fields, to_bool, to_int, to_str
 
@@ -24,15 +25,6 @@ STREAMING_ECHO_ERROR = (
     "Error generating stream: When streaming, `exclude_input_in_output` = False is not allowed."
 )
 PERF_METRICS_OFF = "return_perf_metrics is turned off on this model (config.pbtxt acceptance_outputs false)"
-LOOKAHEAD_OVERRIDES = (
-    "use_lookahead",
-    "decoding_length",
-    "branch_length",
-    "decoding_mode",
-    "stop_words",
-    "debug",
-    "learn",
-)
 _FLAGS = (
     "stream",
     "exclude_input_in_output",
@@ -307,4 +299,5 @@ _OVERRIDES: dict[str, Callable[[str, Any], Any]] = {
     "stop_words": _to_stop_words,
     "debug": to_bool,
     "learn": to_bool,
+    "drafter": to_str,
 }

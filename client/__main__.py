@@ -14,8 +14,9 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from client.api import DECODING_MODES, DEFAULT_URLS, Completion, LookaheadClient
+from client.api import DEFAULT_URLS, Completion, LookaheadClient
 from client.errors import TritonClientError
+from lookahead.contract import DECODING_MODES
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:

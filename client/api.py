@@ -22,41 +22,10 @@ from client.errors import ModelNotReadyError, ServerError
 from client.grpc_transport import GrpcTransport
 from client.http_transport import HttpTransport
 from client.transport import RawResponse, RequestInputs, Transport
+from lookahead.contract import PERF_METRICS, REQUEST_KEYS
 
 ProtocolName = Literal["grpc", "http"]
 DEFAULT_URLS: dict[str, str] = {"grpc": "localhost:8001", "http": "localhost:8000"}
-PERF_METRICS = ("total_draft_tokens", "total_accepted_draft_tokens", "num_decoding_steps", "acceptance_rate")
-# The server's sampling_parameters keys (backend/request.py), spelled out here so that the client
-# needs only tritonclient: importing the server's modules would pull in torch.
-REQUEST_KEYS = (
-    "max_tokens",
-    "min_tokens",
-    "temperature",
-    "top_k",
-    "top_p",
-    "min_p",
-    "repetition_penalty",
-    "presence_penalty",
-    "frequency_penalty",
-    "logit_bias",
-    "seed",
-    "stop",
-    "stop_token_ids",
-    "include_stop_str_in_output",
-    "ignore_eos",
-    "skip_special_tokens",
-    "logprobs",
-    "prompt_logprobs",
-    "structured_outputs",
-    "use_lookahead",
-    "decoding_length",
-    "branch_length",
-    "decoding_mode",
-    "stop_words",
-    "debug",
-    "learn",
-)
-DECODING_MODES = ("hier", "par", "one")
 
 
 @dataclass(frozen=True)

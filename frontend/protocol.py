@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from backend.request import LOOKAHEAD_OVERRIDES
+from lookahead.contract import LOOKAHEAD_OVERRIDES
 
 # OpenAI fields sent on as sampling_parameters under the same name.
 _OPENAI_SAMPLING = (
@@ -91,6 +91,7 @@ class _Request(_Body):
     stop_words: list[str | int] | None = None
     debug: bool | None = None
     learn: bool | None = None
+    drafter: str | None = None
 
     @field_validator("n")
     @classmethod

@@ -18,7 +18,7 @@ import numpy as np
 import tritonclient.grpc.aio as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from backend.launcher import MODEL_ENV
+from lookahead.contract import MODEL_ENV
 
 from .errors import APIError, from_triton
 

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 DECODING_MODES = ("hier", "par", "one")
+# What proposes drafts (lookahead/algorithm/drafters: one module each, registered under its name).
+DRAFTER_NAMES = ("trie",)
 # The fast CPU path (lookahead/cpu): "integer" multiplies int8 activations with the integer forms of
 # quantised weights (llama.cpp's arithmetic) in fused layers; "packed" keeps fp32 activations and
 # computes transformers' own bits. "stock": transformers' layers. "auto": integer where the weights
@@ -40,6 +42,8 @@ class LookaheadConfig:
     debug: log every step's draft size, accepted length and where the draft came from.
     learn: whether the request's output feeds the instance's global trie (and, with fleet sync,
     every instance's); off, it still drafts from what the trie knows.
+    drafter: which drafter proposes the drafts (one of DRAFTER_NAMES; "trie": the request's own
+    trie, the shared trie and the request's copy of its longest earlier repeat).
     """
 
     use_lookahead: bool = True
@@ -51,6 +55,7 @@ class LookaheadConfig:
     stop_words: tuple[int | str, ...] = ()
     debug: bool = False
     learn: bool = True
+    drafter: str = "trie"
 
     def __post_init__(self) -> None:
         _require(self.decoding_length >= 1, f"decoding_length must be >= 1, got {self.decoding_length}")
@@ -58,6 +63,10 @@ class LookaheadConfig:
         _require(
             self.decoding_mode in DECODING_MODES,
             f"decoding_mode must be one of {', '.join(DECODING_MODES)}, got {self.decoding_mode!r}",
+        )
+        _require(
+            self.drafter in DRAFTER_NAMES,
+            f"drafter must be one of {', '.join(DRAFTER_NAMES)}, got {self.drafter!r}",
         )
         _require(self.max_query_length >= 1, f"max_query_length must be >= 1, got {self.max_query_length}")
         _require(

@@ -8,7 +8,7 @@
 #    tests/unit/test_decoder.py, test_batching.py) with the models on the device, fp32 and bf16.
 # 2. The forward-cost curve (1..64 new tokens after 256 cached) and a decoder benchmark (plain vs
 #    lookahead, per-step overhead) on a random-weight model of Qwen2.5-7B's shape in bf16
-#    (lookahead.benchmarks.device_check; --smoke: a tiny shape).
+#    (bench/device_check.py; --smoke: a tiny shape).
 # It needs the project's requirements with a CUDA build of torch (PYTHON picks the interpreter,
 # default .venv/bin/python) and runs no bootstrap. Exit status 1 when any part failed.
 set -uo pipefail
@@ -37,7 +37,7 @@ for dtype in float32 bfloat16; do
         -k "lossless or match or share" || status=1
 done
 echo "== forward cost and decoder benchmark on $device"
-timeout 240 "$python" -m lookahead.benchmarks.device_check --device "$device" --dtype bfloat16 "${smoke[@]}" \
+timeout 240 "$python" -m bench device_check --device "$device" --dtype bfloat16 "${smoke[@]}" \
     || status=1
 echo "== gpu_check: $( ((status == 0)) && echo passed || echo FAILED) in $((SECONDS - started)) s"
 exit "$status"

@@ -16,7 +16,7 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bash "$root/scripts/bootstrap.sh"
 # No cd: a relative --model folder is the caller's (bootstrap puts the project on the venv's path).
-exec "$root/.venv/bin/python" -m backend.launcher \
+exec "$root/.venv/bin/python" -m launcher \
     --model-repository "${MODEL_REPOSITORY:-$root/model_repository}" \
     --http-port "${TRITON_HTTP_PORT:-8000}" \
     --grpc-port "${TRITON_GRPC_PORT:-8001}" \

@@ -230,8 +230,8 @@ instance_group [ { kind: KIND_CPU count: 1 } ]
 parameters { key: "finalize_marker" value: { string_value: "%s" } }
 """
 
-# Streams three responses per request. Importing numpy and backend.launcher checks that the stub
-# sees this virtual environment and the repository root; finalize() leaves a marker on disk.
+# Streams three responses per request. Importing numpy and backend checks that the stub sees this
+# virtual environment and the repository root; finalize() leaves a marker on disk.
 TOY_MODEL = """
 import json
 from pathlib import Path
@@ -239,7 +239,9 @@ from pathlib import Path
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from backend.launcher import REPO_ROOT
+import backend
+
+REPO_ROOT = Path(backend.__file__).resolve().parents[1]
 
 
 class TritonPythonModel:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from scripts.local_redis import INSTALL_HINT, RedisServer
+from bench.local_redis import INSTALL_HINT, RedisServer
 
 
 def require_redis_server() -> None:

@@ -2,8 +2,9 @@
 
 A draft is (tokens, parents) in DFS order, best branch first: tokens[0] is the root (the
 last accepted token, which has no KV entry yet) and parents[0] is -1. Every other node's
-parent comes before it. From that alone we derive depths, the ancestor attention mask and
-the position ids, so the model sees each branch as if it were a plain continuation.
+parent comes before it. From that alone we derive depths and the ancestor mask, from which the
+runtime builds positions and the attention mask, so the model sees each branch as if it were a
+plain continuation.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
-import torch
 
 # Bits of Draft.origins: the evidence a node was drafted from (one node may have several).
 FROM_COPY, FROM_REQUEST_TRIE, FROM_SHARED_TRIE, FROM_GRAMMAR = 1, 2, 4, 8
@@ -100,7 +100,7 @@ class Draft:
         """How many draft nodes each source backs (a node may count for several)."""
         return {name: sum(1 for o in self.origins[1:] if o & bit) for bit, name in ORIGIN_NAMES.items()}
 
-    def ancestor_mask(self) -> torch.Tensor:
+    def ancestor_mask(self) -> np.ndarray:
         """[n, n] bool: mask[k, j] is True iff j is k or an ancestor of k.
 
         Built in numpy, where a row copy costs a tenth of a torch indexing call: every decoding
@@ -111,8 +111,4 @@ class Draft:
             if k:
                 mask[k] = mask[parent]
             mask[k, k] = True
-        return torch.from_numpy(mask)
-
-    def position_ids(self, prefix_len: int) -> torch.Tensor:
-        """[n] positions: the root sits right after the committed prefix, children one deeper."""
-        return torch.tensor(self.depths(), dtype=torch.long) + prefix_len
+        return mask

@@ -23,7 +23,7 @@ from .draft import FROM_COPY, Draft
 
 # Relative forward cost by number of new tokens, where nothing better is known (the fast CPU
 # path brings its own, measured per kernel variant: lookahead/cpu/cost_priors.py). Stock
-# transformers layers, SmolLM2-135M fp32, 2 CPU threads, 256 cached tokens (scripts/bench_forward.py).
+# transformers layers, SmolLM2-135M fp32, 2 CPU threads, 256 cached tokens (bench/forward_cost.py).
 STOCK_CPU_PRIOR = {1: 1.0, 2: 1.06, 4: 1.5, 8: 1.8, 16: 2.1, 32: 2.4, 64: 3.4, 128: 5.5}
 # A GPU streams the weights once whatever the tokens fed: nearly flat up to tens of tokens.
 GPU_PRIOR = {1: 1.0, 2: 1.02, 4: 1.03, 8: 1.05, 16: 1.08, 32: 1.15, 64: 1.3, 128: 1.7}

@@ -12,11 +12,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
-
-import torch
+from typing import TYPE_CHECKING, Protocol
 
 from .draft import Draft
+
+if TYPE_CHECKING:
+    import torch
 
 
 class TokenSelector(Protocol):

@@ -1,7 +1,7 @@
 """The forward's relative cost by tokens fed on the fast CPU path, one curve per kernel variant:
 where the decoder's cost model (algorithm/planner.py) starts before it has timed a step of its own.
 
-cost(q) / cost(1) for a forward of q new tokens over 256 cached ones, from `scripts/bench_forward.py`
+cost(q) / cost(1) for a forward of q new tokens over 256 cached ones, from `bench/forward_cost.py`
 (the decoder's own verification forward: KV pool, tree mask), SmolLM2-135M-Instruct fp32, 2 threads,
 lean layers, int4 weights; points past 64 extrapolated. The planner keeps measuring, so a prior only
 has to be close enough for the first steps of a cold server.

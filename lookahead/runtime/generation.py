@@ -1,10 +1,10 @@
-"""One request's generation: its history, its sampler, its own trie and span index.
+"""One request's generation: its history, its sampler, its drafter.
 
-The decoder (decoder.py) owns every forward, the KV pool and the prefix cache; it drives each
-running generation through the steps a Lookahead step has: `retrieve` a draft, the decoder's
-one forward, `record_verdict` on what the model accepted, `commit` the accepted tokens. Until its
-prompt is fed (in chunks, beside the other requests' steps), a generation only counts how much
-of it the pool holds (`fed`).
+The decoder (decoder.py) drives each running generation through the steps a Lookahead step has:
+`retrieve` a draft (from the request's drafter, algorithm/drafters), the runner's one forward,
+`record_verdict` on what the model accepted, `commit` the accepted tokens. Until its prompt is
+fed (in chunks, beside the other requests' steps), a generation only counts how much of it the
+KV pool holds (`fed`).
 """
 
 from __future__ import annotations
@@ -17,9 +17,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..algorithm.draft import FROM_GRAMMAR, Draft
+from ..algorithm.drafters import Drafter, DraftQuery, DraftRequest, make_drafter
 from ..algorithm.planner import Calibration
-from ..algorithm.retrieval import retrieve_draft
-from ..algorithm.spans import SpanIndex
 from ..algorithm.trie import NGramTrie, TrieWriter
 from ..algorithm.verify import Verdict
 from ..config import LookaheadConfig, SamplingParams
@@ -122,27 +121,25 @@ class Generation:
         )
         self.cumulative_logprob: float | None = 0.0 if params.logprobs is not None else None
         self.prompt_logprobs: list[PositionLogprobs | None] | None = None
-        self.local: NGramTrie | None = None
-        self.spans: SpanIndex | None = None
-        self.writers: list[TrieWriter] = []
         self.stop_words = shared.stop_words
+        self.drafter: Drafter | None = None
         if config.drafting:
-            # The output is learned once: by the shared trie when there is one and the request
-            # may teach it. Counted in the request's own trie as well, whatever the output has
-            # just copied from the prompt would count twice there and outrank the prompt's own evidence.
-            learns_output = shared.trie is None or not config.learn
-            depth = shared.trie_depth
-            capacity = (self.prompt_len + (params.max_tokens if learns_output else 0)) * depth + 1
-            self.local = NGramTrie(capacity=capacity, max_depth=depth)
-            writer = self.local.writer()
-            writer.feed(prompt_ids)
-            if learns_output:
-                self.writers.append(writer)
-            self.spans = SpanIndex(prompt_ids)
+            self.drafter = make_drafter(
+                DraftRequest(
+                    prompt_ids,
+                    params.max_tokens,
+                    config,
+                    shared.trie,
+                    shared.trie_depth,
+                    self.stop_tokens,
+                    self.stop_words,
+                )
+            )
+        # The shared trie learns outputs, keyed by the prompt's last tokens so that they can be queried.
+        self.learner: TrieWriter | None = None
         if shared.trie is not None and config.learn:
-            # The shared trie learns outputs, keyed by the prompt's last tokens so that they can be queried.
-            self.writers.append(shared.trie.writer())
-            self.writers[-1].feed(
+            self.learner = shared.trie.writer()
+            self.learner.feed(
                 prompt_ids[max(0, self.prompt_len - config.max_query_length + 1) :], self.stop_words
             )
 
@@ -178,7 +175,7 @@ class Generation:
         if self.fed is not None:
             self.shared.release(self)
             self.fed = None
-        self.local, self.spans, self.writers = None, None, []
+        self.drafter, self.learner = None, None
         if self.finish_reason is None:
             self.finish_reason = reason
 
@@ -199,45 +196,26 @@ class Generation:
         probable than min_prob (the batch plan may trim it further)."""
         root = self.ids[-1]
         depth = min(self.config.branch_length, self.params.max_tokens - self.stats.output_tokens - 1)
-        if not self.config.drafting or depth <= 0:
+        if self.drafter is None or depth <= 0:
             return Draft.root_only(root)
         started = time.perf_counter()
         width = min(self.config.decoding_length, max_width)
         grammar = self.selector.grammar
-        # Text the grammar fixes next is drafted as certain, and retrieval goes on after it.
+        # Text the grammar fixes next is drafted as certain, and the drafter goes on after it.
         forced = grammar.forced()[: min(depth, width - 1)] if grammar is not None else []
-        draft = self._retrieve(forced, width - len(forced), depth - len(forced), min_prob)
+        width, depth = width - len(forced), depth - len(forced)
+        if width <= 1 or depth <= 0:
+            draft = Draft.root_only(forced[-1] if forced else root)
+        else:
+            admits = None
+            if grammar is not None:
+                # nodes the grammar forbids would only be rejected: search among those it admits
+                admits = (lambda path: grammar.admits((*forced, *path))) if forced else grammar.admits
+            draft = self.drafter.retrieve(DraftQuery(self.ids, forced, width, depth, min_prob, admits))
         if forced:
             draft = Draft.below_chain(root, forced, FROM_GRAMMAR, draft)
         self.stats.retrieval_seconds.append(time.perf_counter() - started)
         return draft
-
-    def _retrieve(self, after: list[int], width: int, depth: int, min_prob: float) -> Draft:
-        """retrieve_draft after the request's text and `after`, tokens drafted ahead of it (where
-        no copy of the request's own text goes on)."""
-        query = self.config.max_query_length
-        context = [*self.ids[-query:], *after][-query:]
-        if width <= 1 or depth <= 0:
-            return Draft.root_only(context[-1])
-        grammar = self.selector.grammar
-        admits = None
-        if grammar is not None:
-            # nodes the grammar forbids would only be rejected: search among those it admits
-            admits = (lambda path: grammar.admits((*after, *path))) if after else grammar.admits
-        return retrieve_draft(
-            context,
-            self.local,
-            self.shared.trie,
-            decoding_length=width,
-            branch_length=depth,
-            mode=self.config.decoding_mode,
-            max_query_length=query,
-            copy=None if after else self.spans.continuation(depth),
-            stop_tokens=self.stop_tokens,
-            stop_words=self.stop_words,
-            min_prob=min_prob,
-            admits=admits,
-        )
 
     def record_verdict(self, draft: Draft, verdict: Verdict) -> None:
         """Count the draft's fed and accepted tokens, and calibrate its probabilities against them."""
@@ -247,6 +225,8 @@ class Generation:
         self.stats.draft_tokens += len(draft) - 1
         self.stats.drafts += len(draft) > 1
         self.stats.accepted_draft_tokens += len(verdict.accepted_nodes)
+        if self.drafter is not None:
+            self.drafter.record_verdict(draft, verdict)
         if self.config.debug:
             origins = ", ".join(f"{name} {count}" for name, count in draft.origin_counts().items())
             step = f"step {self.stats.steps}" if self.stats.steps else "prefill"
@@ -273,10 +253,11 @@ class Generation:
         self.ids.extend(tokens)
         self.stats.output_tokens += len(tokens)
         self.selector.commit(tokens)
-        for writer in self.writers:
-            writer.feed(tokens[:stop_at] if stop_at is not None else tokens, self.stop_words)
-        if self.spans is not None:
-            self.spans.extend(tokens)
+        learned = tokens[:stop_at] if stop_at is not None else tokens
+        if self.drafter is not None:
+            self.drafter.extend(learned)
+        if self.learner is not None:
+            self.learner.feed(learned, self.stop_words)
         logprobs = None
         if self.cumulative_logprob is not None and rows is not None:
             logprobs = token_logprobs(rows[: len(tokens)], tokens, params.logprobs, self._decode_one)

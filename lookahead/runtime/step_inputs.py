@@ -82,6 +82,11 @@ def to_device(mask: Mask, device: torch.device) -> Mask:
     return mask.to(device)
 
 
+def draft_positions(draft: Draft, prefix_len: int) -> torch.Tensor:
+    """[n] positions of a draft's nodes: the root right after the committed prefix, children one deeper."""
+    return torch.tensor(draft.depths(), dtype=torch.long) + prefix_len
+
+
 def decode_inputs(
     drafts: list[Draft], lengths: list[int], masks: AttentionMasks
 ) -> tuple[torch.Tensor, torch.Tensor, Mask]:
@@ -96,11 +101,11 @@ def decode_inputs(
     for i, (draft, length) in enumerate(zip(drafts, lengths)):
         n = len(draft)
         ids[i, :n] = torch.tensor(draft.tokens)
-        positions[i, :n] = draft.position_ids(length)
+        positions[i, :n] = draft_positions(draft, length)
         key_positions[i, length : length + n] = positions[i, :n]
         key_positions[i, length + n :] = 0  # padding rows (position 0) see only themselves
         visible[i, :n, :length] = True
-        visible[i, :n, length : length + n] = draft.ancestor_mask()
+        visible[i, :n, length : length + n] = torch.from_numpy(draft.ancestor_mask())
         padding = torch.arange(n, width)
         visible[i, padding, length + padding] = True
     return ids, positions, masks.build(visible, positions, key_positions)
@@ -128,14 +133,14 @@ class Segment:
         chunk = torch.arange(self.start, self.start + len(self.prompt))
         if self.draft is None:
             return chunk
-        return torch.cat([chunk, self.draft.position_ids(self.start + len(self.prompt))])
+        return torch.cat([chunk, draft_positions(self.draft, self.start + len(self.prompt))])
 
     def visibility(self) -> torch.Tensor:
         """[width, width] bool: which of the segment's own tokens each one sees (itself included)."""
         n, p = self.width, len(self.prompt)
         visible = torch.ones(n, n, dtype=torch.bool).tril_()
         if self.draft is not None:
-            visible[p:, p:] = self.draft.ancestor_mask()
+            visible[p:, p:] = torch.from_numpy(self.draft.ancestor_mask())
         return visible
 
 

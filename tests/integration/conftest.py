@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from backend.launcher import TritonServer, TritonServerError, find_tritonserver
+from launcher import TritonServer, TritonServerError, find_tritonserver
 from tests.integration.servers import copy_repository, launch
 
 

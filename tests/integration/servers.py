@@ -6,7 +6,7 @@ import re
 import shutil
 from pathlib import Path
 
-from backend.launcher import TritonServer, free_port, start_server
+from launcher import TritonServer, free_port, start_server
 
 REPOSITORY = Path(__file__).resolve().parents[2] / "model_repository"
 MAX_PROMPT_TOKENS = 256  # lowered in the test copy so that an over-long prompt stays cheap to build

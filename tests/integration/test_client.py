@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from backend.launcher import TritonServer, free_port, start_server
 from client import Completion, LookaheadClient
+from launcher import TritonServer, free_port, start_server
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 

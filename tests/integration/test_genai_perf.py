@@ -10,7 +10,7 @@ from typing import get_type_hints
 
 import pytest
 
-from client.genai_perf import GENAI_PERF, QUICK, GenaiPerfPoint, main
+from bench.genai_perf import GENAI_PERF, QUICK, GenaiPerfPoint, main
 
 
 @pytest.mark.parametrize("endpoint_type", ["kserve", "chat"])

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from backend import launcher
-from backend.launcher import TritonServerError, free_port, start_server
+from launcher import TritonServerError, free_port, start_server
+from launcher.tritonserver import REPO_ROOT
 from tests.helpers import stream_once, write_toy_repository
 
 
@@ -22,7 +22,7 @@ def test_server_streams_from_a_decoupled_model_and_finalizes_on_stop(tmp_path: P
     ports = {"http_port": free_port(), "grpc_port": free_port(), "metrics_port": free_port()}
     with start_server(repository, log_file=tmp_path / "server.log", ready_timeout_s=120, **ports) as server:
         assert server.is_ready()
-        assert stream_once(server.grpc_url, "hello") == ["hello", "from", str(launcher.REPO_ROOT)]
+        assert stream_once(server.grpc_url, "hello") == ["hello", "from", str(REPO_ROOT)]
         assert not marker.exists()
     assert server.process.returncode == 0
     assert marker.read_text() == "finalized"
@@ -39,7 +39,7 @@ def test_a_model_that_fails_to_load_is_reported_with_the_log_tail(tmp_path: Path
 def test_the_launcher_serves_the_openai_endpoint_beside_tritonserver_and_stops_both(tmp_path: Path) -> None:
     repository = write_toy_repository(tmp_path, tmp_path / "finalized")
     openai_port = free_port()
-    command = [sys.executable, "-m", "backend.launcher", "--model-repository", str(repository)]
+    command = [sys.executable, "-m", "launcher", "--model-repository", str(repository)]
     command += ["--log-file", str(tmp_path / "server.log"), "--openai-port", str(openai_port)]
     for flag in ("--http-port", "--grpc-port", "--metrics-port"):
         command += [flag, str(free_port())]

@@ -8,7 +8,7 @@ from typing import get_type_hints
 
 import pytest
 
-from client.load_test import QUICK, LoadPoint, main
+from bench.load_test import QUICK, LoadPoint, main
 
 
 def test_quick_load_test_against_a_started_server(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

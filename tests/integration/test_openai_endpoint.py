@@ -17,8 +17,7 @@ import openai
 import pytest
 import tritonclient.grpc as grpcclient
 
-from backend.launcher import TritonServer, free_port
-from frontend.process import Frontend, start_frontend
+from launcher import Frontend, TritonServer, free_port, start_frontend
 from lookahead.models.chat import chat_prompt
 from lookahead.models.embedded import DEFAULT_MODEL
 from lookahead.models.loading import load_tokenizer

@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from backend.launcher import MODEL_ENV, TritonServer, free_port, start_server
-from lookahead.benchmarks.prompt_sets import load_prompt_set
+from bench.prompt_sets import load_prompt_set
+from launcher import TritonServer, free_port, start_server
+from lookahead.contract import MODEL_ENV
 from lookahead.models.embedded import prepare_embedded_model
 from lookahead.models.loading import load_model
 from tests.integration.servers import copy_repository, set_parameter

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import tritonclient.grpc as grpcclient
 
-from backend.launcher import TritonServer, free_port, start_server
+from launcher import TritonServer, free_port, start_server
 from lookahead.state.persistence import MAGIC
 from tests.integration.servers import READY_TIMEOUT_S, copy_repository, set_parameter
 from tests.integration.test_server import GrpcStream, generate, grpc_inputs, wait_for

@@ -21,7 +21,7 @@ import pytest
 import torch
 import tritonclient.grpc as grpcclient
 
-from backend.launcher import TritonServer
+from launcher import TritonServer
 from lookahead.algorithm.trie import NGramTrie
 from lookahead.config import LookaheadConfig, SamplingParams, TrieConfig
 from lookahead.models.loading import LoadedModel

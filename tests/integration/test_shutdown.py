@@ -1,4 +1,4 @@
-"""SIGTERM to `python -m backend.launcher` (as scripts/serve.sh runs it) while a long stream runs:
+"""SIGTERM to `python -m launcher` (as scripts/serve.sh runs it) while a long stream runs:
 the stream gets a final response at once, the trie snapshot is written after the signal, and no
 process of the server is left once the launcher exits, within tritonserver's exit timeout."""
 
@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-from backend.launcher import free_port
+from launcher import free_port
 from lookahead.algorithm.trie import NO_NODE
 from lookahead.state.persistence import MAGIC, load_trie
 from tests.integration.servers import READY_TIMEOUT_S, copy_repository, set_parameter
@@ -43,7 +43,7 @@ def test_sigterm_to_the_launcher_mid_stream_answers_saves_and_leaves_no_process(
     config = repository / "lookahead" / "config.pbtxt"
     config.write_text(set_parameter(config.read_text(), "snapshot_interval_s", "0"))  # saved at stop only
     grpc_port = free_port()
-    command = [sys.executable, "-m", "backend.launcher", "--model-repository", str(repository)]
+    command = [sys.executable, "-m", "launcher", "--model-repository", str(repository)]
     command += ["--log-file", str(tmp_path / "server.log"), "--grpc-port", str(grpc_port)]
     command += ["--http-port", str(free_port()), "--metrics-port", str(free_port())]
     output = tmp_path / "launcher.out"

@@ -10,8 +10,8 @@ import re
 import pytest
 from transformers import AutoTokenizer
 
+from bench.json_extraction import json_extraction_prompts, schema_errors
 from client.api import Completion, LookaheadClient
-from lookahead.benchmarks.json_extraction import json_extraction_prompts, schema_errors
 from lookahead.models.embedded import prepare_default_model
 from tests.integration.test_server import is_ready, post
 

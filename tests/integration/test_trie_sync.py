@@ -19,9 +19,9 @@ from typing import Any
 
 import pytest
 
-from backend.launcher import TritonServer
+from bench.local_redis import RedisServer
+from launcher import TritonServer
 from lookahead.state.sync import encode_entry
-from scripts.local_redis import RedisServer
 from tests.integration.servers import copy_repository, launch, set_parameter
 from tests.integration.test_server import is_ready, wait_for
 from tests.redis_server import require_redis_server

@@ -21,7 +21,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from backend.launcher import TritonServer, free_port, start_server
+from launcher import TritonServer, free_port, start_server
 from lookahead.models.loading import LoadedModel
 from tests.integration.servers import READY_TIMEOUT_S, REPOSITORY, set_parameter
 

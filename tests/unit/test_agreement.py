@@ -6,7 +6,7 @@ import random
 
 import torch
 
-from lookahead.benchmarks.agreement import Agreement, compare, lookahead_generate, summary
+from bench.agreement import Agreement, compare, lookahead_generate, summary
 from lookahead.models.loading import LoadedModel
 from tests.helpers import ByteTokenizer, build_tiny_model, repetitive_prompt
 

@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from backend.config import PROJECT_ROOT, STATE_DIR_ENV, BackendConfig, parse_parameters
+from backend.config import PROJECT_ROOT, BackendConfig, parse_parameters
 from lookahead.config import DecoderConfig, LookaheadConfig, TrieConfig
+from lookahead.contract import STATE_DIR_ENV
 from lookahead.models.embedded import DEFAULT_MODEL
 from tests.helpers import pbtxt_parameters
 

@@ -125,11 +125,17 @@ def test_request_parameters_are_used_when_the_tensor_is_absent():
 def test_lookahead_overrides_are_capped_by_the_instance():
     request = parse(
         sampling_parameters=sampling(
-            {"decoding_length": "8", "branch_length": 4, "decoding_mode": "one", "use_lookahead": "false"}
+            {
+                "decoding_length": "8",
+                "branch_length": 4,
+                "decoding_mode": "one",
+                "use_lookahead": "false",
+                "drafter": "trie",
+            }
         )
     )
     assert request.lookahead == LookaheadConfig(
-        use_lookahead=False, decoding_length=8, branch_length=4, decoding_mode="one"
+        use_lookahead=False, decoding_length=8, branch_length=4, decoding_mode="one", drafter="trie"
     )
 
 
@@ -220,6 +226,11 @@ def test_return_flags():
             {"sampling_parameters": sampling({"decoding_mode": 1})},
             None,
             "decoding_mode must be a string, got 1",
+        ),
+        (
+            {"sampling_parameters": sampling({"drafter": "oracle"})},
+            None,
+            "drafter must be one of trie, got 'oracle'",
         ),
         ({}, {"max_tokens": "-3"}, "max_tokens must be >= 1, got -3"),
     ],

@@ -57,8 +57,8 @@ def test_greedy_requests_joining_at_different_times_match_running_alone(
     assert max(batch_sizes) >= 3
     for i, (prompt, params, _) in enumerate(requests):
         assert outputs[i] == plain_greedy(model, prompt, params.max_tokens), f"request {i}"
-    assert len(decoder.pool.owners) <= max(batch_sizes) + 1  # finished requests' slots are reused
-    assert all(owner is None for owner in decoder.pool.owners)
+    assert len(decoder.runner.pool.owners) <= max(batch_sizes) + 1  # finished requests' slots are reused
+    assert all(owner is None for owner in decoder.runner.pool.owners)
 
 
 @pytest.mark.parametrize("kernel", LINEAR_KERNELS)
@@ -87,7 +87,7 @@ def test_random_mixes_of_prompt_chunks_and_draft_widths_match_running_alone(
     assert max(batch_sizes) >= 3
     for i, (prompt, params, _) in enumerate(requests):
         assert outputs[i] == plain_greedy(model, prompt, params.max_tokens), f"request {i}"
-    assert all(owner is None for owner in decoder.pool.owners)
+    assert all(owner is None for owner in decoder.runner.pool.owners)
 
 
 def test_a_long_prompt_is_read_in_chunks_while_a_stream_goes_on(tiny_model, byte_tokenizer) -> None:
@@ -114,16 +114,16 @@ def test_a_long_prompt_is_read_in_chunks_while_a_stream_goes_on(tiny_model, byte
 def test_only_prompt_tokens_still_to_read_are_priced_beside_the_drafts(
     tiny_model, byte_tokenizer, monkeypatch
 ) -> None:
-    from lookahead.runtime import decoder as decoder_module
+    from lookahead.runtime import scheduler
 
     seen: list[int] = []
-    plan_step = decoder_module.plan_step
+    plan_step = scheduler.plan_step
 
     def recorded(*args, other_tokens=0):
         seen.append(other_tokens)
         return plan_step(*args, other_tokens=other_tokens)
 
-    monkeypatch.setattr(decoder_module, "plan_step", recorded)
+    monkeypatch.setattr(scheduler, "plan_step", recorded)
     decoder = LookaheadDecoder(tiny_model("llama"), byte_tokenizer, step_token_budget=64)
     gen = decoder.start(list(range(1, 30)), SamplingParams(max_tokens=6, ignore_eos=True))
     while not gen.finished:
@@ -187,7 +187,7 @@ def test_a_segment_gives_the_same_logits_whatever_shares_its_forward(
     kernel, tiny_model, byte_tokenizer
 ) -> None:
     decoder = LookaheadDecoder(tiny_model("llama", linear_kernel=kernel), byte_tokenizer)
-    assert decoder.head_of_hidden is not None
+    assert decoder.runner.head_of_hidden is not None
     gens = [
         decoder.start(prompt, SamplingParams(max_tokens=8))
         for prompt in ([5, 6, 7], [9, 10, 11, 12, 13], [40, 41, 42, 43, 44, 45, 46])
@@ -200,10 +200,10 @@ def test_a_segment_gives_the_same_logits_whatever_shares_its_forward(
     ]
     lengths = [len(gen.ids) - 1 for gen in gens]
     with torch.inference_mode():
-        together = decoder.forward_drafts(drafts, lengths)
-        alone = [decoder.forward_drafts([drafts[i]], [lengths[i]], slots=[i])[0] for i in range(3)]
-        decoder.head_of_hidden = None  # the model's own output layer over every row
-        whole = decoder.forward_drafts(drafts, lengths)
+        together = decoder.runner.forward_drafts(drafts, lengths)
+        alone = [decoder.runner.forward_drafts([drafts[i]], [lengths[i]], slots=[i])[0] for i in range(3)]
+        decoder.runner.head_of_hidden = None  # the model's own output layer over every row
+        whole = decoder.runner.forward_drafts(drafts, lengths)
     assert [rows.shape[0] for rows in together] == [4, 1, 3]
     # the packed kernel's rows and the lean layers' per-segment attention do not depend on what
     # else a forward holds; transformers' layers read the segments side by side (summation order)
@@ -309,7 +309,8 @@ def test_the_pool_is_freed_when_idle_and_requests_beyond_kv_cache_bytes_are_refu
     gen = decoder.start([1, 2, 3], SamplingParams(max_tokens=4))
     while not gen.finished:
         gen.step()
-    assert decoder.pool.keys == [] and decoder.pool.nbytes == 0  # nothing runs: the memory went back
+    pool = decoder.runner.pool
+    assert pool.keys == [] and pool.nbytes == 0  # nothing runs: the memory went back
     # A slot of 256 entries (the least the pool allocates), and the one layer buffer a growth copies.
     slot = 256 * (per_token + 2 * 16 * 4)
     bounded = LookaheadDecoder(model, byte_tokenizer, kv_cache_bytes=slot)
@@ -349,7 +350,7 @@ def test_requests_admitted_by_fits_never_take_the_pool_past_kv_cache_bytes(
     bound = 1200 * per_token
     decoder = LookaheadDecoder(model, byte_tokenizer, NGramTrie(10_000, 9), config, kv_cache_bytes=bound)
     assert decoder.eos_token_ids == ()
-    peak = live_pool_bytes(monkeypatch, decoder.pool)
+    peak = live_pool_bytes(monkeypatch, decoder.runner.pool)
     rng = random.Random(7)
     requests = []
     for _ in range(12):
@@ -390,15 +391,15 @@ def test_a_request_past_kv_cache_bytes_fails_alone_before_anything_is_allocated(
     per_token = LookaheadDecoder(model, byte_tokenizer).kv_bytes_per_token
     bound = 400 * per_token  # one slot of 256 entries; not two
     decoder = LookaheadDecoder(model, byte_tokenizer, config=config, kv_cache_bytes=bound)
-    peak = live_pool_bytes(monkeypatch, decoder.pool)
+    peak = live_pool_bytes(monkeypatch, decoder.runner.pool)
     short = decoder.start([1, 2, 3], SamplingParams(max_tokens=20), config)
     ids = decoder.step([short])[0].token_ids
-    held = decoder.pool.nbytes
+    held = decoder.runner.pool.nbytes
     other = decoder.start([4, 5, 6], SamplingParams(max_tokens=20), config)
     first, refused = decoder.step([short, other])
     assert isinstance(refused.error, KVCacheFull) and refused.finish_reason == "error"
     assert "more than the 204800 of kv_cache_bytes" in str(refused.error)
-    assert first.error is None and decoder.pool.nbytes == held and peak[0] <= bound
+    assert first.error is None and decoder.runner.pool.nbytes == held and peak[0] <= bound
     ids += first.token_ids
     while not short.finished:
         ids += decoder.step([short])[0].token_ids

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from lookahead.benchmarks.decoding import PromptRun, measure
+from bench.decoding import PromptRun, measure
 
 
 def test_methods_take_turns_in_a_rotating_order() -> None:

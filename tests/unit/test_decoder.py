@@ -170,11 +170,11 @@ def test_the_output_is_learned_by_one_trie(with_shared_trie: bool, tiny_model, b
     prompt_only = NGramTrie(capacity=1000, max_depth=decoder.trie_depth)
     prompt_only.insert(prompt)
     if with_shared_trie:
-        assert gen.local.node_count == prompt_only.node_count
+        assert gen.drafter.local.node_count == prompt_only.node_count
         assert shared.match(output[-3:]) != NO_NODE
     else:
-        assert gen.local.node_count > prompt_only.node_count
-        assert gen.local.match(prompt[-2:] + output[:2]) != NO_NODE
+        assert gen.drafter.local.node_count > prompt_only.node_count
+        assert gen.drafter.local.match(prompt[-2:] + output[:2]) != NO_NODE
 
 
 def test_close_frees_the_request_state(tiny_model, byte_tokenizer) -> None:
@@ -183,7 +183,7 @@ def test_close_frees_the_request_state(tiny_model, byte_tokenizer) -> None:
     gen.step()
     gen.close()
     assert gen.finished and gen.finish_reason == "cancelled"
-    assert gen.local is None and gen not in decoder.pool.owners
+    assert gen.drafter is None and gen not in decoder.runner.pool.owners
     with pytest.raises(RuntimeError, match="finished or closed"):
         gen.step()
 

@@ -7,7 +7,7 @@ from urllib.parse import urlsplit
 
 import yaml
 
-from backend.launcher import SYNC_ENV
+from lookahead.contract import SYNC_ENV
 from lookahead.state.sync import check_url
 
 MANIFEST = Path(__file__).resolve().parents[2] / "deploy" / "kubernetes.yaml"

@@ -10,9 +10,10 @@ import sys
 import threading
 import time
 
-from backend import launcher
-from backend.drain import DRAIN_ENV, Drain, watch_drain
-from backend.launcher import TritonServer
+from backend.drain import Drain, watch_drain
+from launcher import TritonServer
+from launcher.tritonserver import REPO_ROOT
+from lookahead.contract import DRAIN_ENV
 from tests.helpers import wait_until
 
 # An instance's stand-in: drains (writes a marker) when asked, then lives until it gets SIGTERM.
@@ -72,7 +73,7 @@ def test_stop_drains_the_instances_before_it_signals_the_server(tmp_path):
     marker = tmp_path / "drained"
     process = subprocess.Popen(
         [sys.executable, "-c", INSTANCE, str(marker)],
-        env={**os.environ, **drain.env, "PYTHONPATH": str(launcher.REPO_ROOT)},
+        env={**os.environ, **drain.env, "PYTHONPATH": str(REPO_ROOT)},
     )
     assert wait_until(lambda: drain.pending() == {process.pid}, 30)
     server = TritonServer(

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from backend.launcher import MODEL_ENV
-from client.genai_perf import EMPTY_EXPORT, EXPORT_ATTEMPTS, parse_args, run_point, served_tokenizer
-from client.load_test import LoadTestError
+from bench.genai_perf import EMPTY_EXPORT, EXPORT_ATTEMPTS, parse_args, run_point, served_tokenizer
+from bench.servers import BenchmarkError
+from lookahead.contract import MODEL_ENV
 
 REPOSITORY = Path(__file__).resolve().parents[2] / "model_repository"
 
@@ -103,11 +103,11 @@ def test_other_genai_perf_failures_and_a_persistent_empty_export_are_reported(tm
     monkeypatch.delenv(MODEL_ENV, raising=False)
     script, runs = fake_genai_perf(tmp_path, empty_exports=1, error="Connection refused")
     args = point_args(tmp_path, script)
-    with pytest.raises(LoadTestError, match="genai-perf exited with 1"):
+    with pytest.raises(BenchmarkError, match="genai-perf exited with 1"):
         run_point(args, "lookahead", "localhost:1", 1, tmp_path)
     assert runs.read_text().strip() == "1"  # not a lost export: no second run
     (tmp_path / "again").mkdir()
     script, runs = fake_genai_perf(tmp_path / "again", empty_exports=9)
-    with pytest.raises(LoadTestError, match="zero-length"):
+    with pytest.raises(BenchmarkError, match="zero-length"):
         run_point(point_args(tmp_path / "again", script), "lookahead", "localhost:1", 1, tmp_path)
     assert runs.read_text().strip() == str(EXPORT_ATTEMPTS)

@@ -9,8 +9,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from backend import launcher
-from backend.launcher import TritonServerError, assemble_backend_directory, free_port, start_server
+from launcher import TritonServerError, cli, free_port, start_server, tritonserver
+from launcher.tritonserver import assemble_backend_directory
+from lookahead.contract import MODEL_ENV
 from tests.helpers import write_toy_repository
 
 
@@ -76,21 +77,21 @@ def test_a_python_without_stub_is_refused(tmp_path: Path, monkeypatch: pytest.Mo
 
 
 def test_wheel_installation_runs_stubs_on_this_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(launcher.shutil, "which", lambda name: None)
+    monkeypatch.setattr(tritonserver.shutil, "which", lambda name: None)
     monkeypatch.setenv("LD_LIBRARY_PATH", "/already/there")
-    installation = launcher.find_tritonserver()
+    installation = tritonserver.find_tritonserver()
     assert installation.binary.name == "tritonserver" and installation.binary.is_file()
     assert (installation.backend_directory / "python" / "triton_python_backend_stub").is_file()
     library_path = installation.env["LD_LIBRARY_PATH"].split(":")
     assert library_path[0].endswith("nvidia_pytriton.libs")
     assert library_path[-1] == "/already/there"
     assert installation.env["PATH"].split(":")[0] == str(Path(sys.executable).parent)
-    assert installation.env["PYTHONPATH"].split(":")[0] == str(launcher.REPO_ROOT)
+    assert installation.env["PYTHONPATH"].split(":")[0] == str(tritonserver.REPO_ROOT)
 
 
 def test_tritonserver_on_the_path_keeps_its_own_backends(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(launcher.shutil, "which", lambda name: "/opt/tritonserver/bin/tritonserver")
-    installation = launcher.find_tritonserver()
+    monkeypatch.setattr(tritonserver.shutil, "which", lambda name: "/opt/tritonserver/bin/tritonserver")
+    installation = tritonserver.find_tritonserver()
     assert installation.binary == Path("/opt/tritonserver/bin/tritonserver")
     assert installation.backend_directory is None
 
@@ -105,22 +106,22 @@ def test_model_override_passes_an_embedded_name_or_a_folder_as_an_absolute_path(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     prepared: list[str] = []
-    monkeypatch.setattr(launcher, "prepare_model", prepared.append)
-    assert launcher.model_override("qwen2.5-coder-0.5b-instruct") == "qwen2.5-coder-0.5b-instruct"
+    monkeypatch.setattr(cli, "prepare_model", prepared.append)
+    assert cli.model_override("qwen2.5-coder-0.5b-instruct") == "qwen2.5-coder-0.5b-instruct"
     (tmp_path / "my-model").mkdir()
     (tmp_path / "my-model" / "config.json").write_text("{}")
     monkeypatch.chdir(tmp_path)
-    assert launcher.model_override("my-model") == str(tmp_path / "my-model")
+    assert cli.model_override("my-model") == str(tmp_path / "my-model")
     # Prepared before any instance starts, by the absolute path the instances get.
     assert prepared == ["qwen2.5-coder-0.5b-instruct", str(tmp_path / "my-model")]
     with pytest.raises(TritonServerError, match="'no-such-model' is neither an embedded model"):
-        launcher.model_override("no-such-model")
+        cli.model_override("no-such-model")
 
 
 def test_an_unknown_model_stops_the_launcher_before_any_server_starts(
     capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(launcher, "start_server", lambda *a, **k: pytest.fail("a server was started"))
-    monkeypatch.setenv(launcher.MODEL_ENV, "no-such-model")
-    assert launcher.main(["--http-port", str(free_port())]) == 2
+    monkeypatch.setattr(cli, "start_server", lambda *a, **k: pytest.fail("a server was started"))
+    monkeypatch.setenv(MODEL_ENV, "no-such-model")
+    assert cli.main(["--http-port", str(free_port())]) == 2
     assert "error: --model 'no-such-model' is neither an embedded model" in capsys.readouterr().err

@@ -82,7 +82,7 @@ def test_the_algorithm_has_no_model_code() -> None:
         }, path
 
 
-def test_only_model_loading_the_cli_and_the_forward_benchmark_reach_the_fast_path_when_it_is_there() -> None:
+def test_only_model_loading_and_the_cli_reach_the_fast_path_when_it_is_there() -> None:
     users = {
         path.relative_to(PACKAGE).as_posix()
         for path in modules()
@@ -90,7 +90,7 @@ def test_only_model_loading_the_cli_and_the_forward_benchmark_reach_the_fast_pat
         for target, _, top_level in lookahead_imports(path)
         if target.startswith("lookahead.cpu") and not top_level
     }
-    assert users == {"models/loading.py", "cli.py", "benchmarks/forward_cost.py"}
+    assert users == {"models/loading.py", "cli.py"}
     for path in modules():
         if not path.is_relative_to(PACKAGE / "cpu"):
             top = [

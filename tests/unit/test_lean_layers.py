@@ -146,13 +146,13 @@ def test_a_step_on_the_kv_pool_runs_every_layer_in_one_call_with_the_same_bits(
 
     monkeypatch.setattr(PoolStep, "write_and_read", counted)
     with torch.inference_mode():
-        (stacked,) = decoder.forward_drafts([draft], [len(gen.ids) - 1])
+        (stacked,) = decoder.runner.forward_drafts([draft], [len(gen.ids) - 1])
         assert python_writes == []  # the pool was written from C++
         monkeypatch.setattr(lean_layers, "StepCache", type("NotAStepCache", (), {}))
-        (layered,) = decoder.forward_drafts([draft], [len(gen.ids) - 1])
+        (layered,) = decoder.runner.forward_drafts([draft], [len(gen.ids) - 1])
     assert len(python_writes) == decoder.model.config.num_hidden_layers
     assert torch.equal(stacked, layered)
-    assert isinstance(decoder.pool, KVPool)
+    assert isinstance(decoder.runner.pool, KVPool)
 
 
 def integer_tiny_model(architecture: str, extension: Any, **config: Any) -> nn.Module:

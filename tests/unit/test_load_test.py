@@ -9,9 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from client.load_test import (
+from bench.load_test import (
     LoadPoint,
-    LoadTestError,
     PromptSlices,
     format_table,
     parse_args,
@@ -21,10 +20,11 @@ from client.load_test import (
     request_prompts,
     summarize_experiment,
     summarize_profile,
-    write_csv,
     write_input_data,
     write_perf_analyzer_input,
 )
+from bench.report import write_csv
+from bench.servers import BenchmarkError
 
 FIXTURE = Path(__file__).parents[1] / "data" / "perf_analyzer_profile.json"
 MS = 1_000_000  # nanoseconds
@@ -80,12 +80,12 @@ def test_the_opening_burst_is_left_out_of_one_ttft_percentile() -> None:
 def test_token_counts_that_were_not_requested_are_not_trusted() -> None:
     bare = request(0, [100], [1])
     del bare["request_inputs"]["return_num_output_tokens"]
-    with pytest.raises(LoadTestError, match="return_num_output_tokens"):
+    with pytest.raises(BenchmarkError, match="return_num_output_tokens"):
         summarize_experiment("baseline", experiment(1, [bare]))
 
 
 def test_an_experiment_without_responses_is_an_error() -> None:
-    with pytest.raises(LoadTestError, match="no request received a response"):
+    with pytest.raises(BenchmarkError, match="no request received a response"):
         summarize_experiment("baseline", experiment(4, [request(0, [], [])]))
 
 
@@ -135,7 +135,7 @@ def test_every_slice_of_prompts_is_new_and_they_run_out_loudly(tmp_path: Path) -
     files = [slices.next_file(1), slices.next_file(1)]
     sent = [[entry["text_input"][0] for entry in json.loads(f.read_text())["data"]] for f in files]
     assert sent == [["p0", "p1"], ["p2", "p3"]]
-    with pytest.raises(LoadTestError, match="5 prompts: not enough for another 2 unseen ones"):
+    with pytest.raises(BenchmarkError, match="5 prompts: not enough for another 2 unseen ones"):
         slices.next_file(2)
 
 
@@ -185,7 +185,7 @@ def test_perf_analyzer_input_refuses_empty_or_bad_requests(tmp_path) -> None:
 
 
 def test_a_chat_set_goes_out_in_the_served_model_s_chat_template() -> None:
-    from lookahead.benchmarks.prompt_sets import load_prompt_set
+    from bench.prompt_sets import load_prompt_set
     from lookahead.models.embedded import DEFAULT_MODEL
     from lookahead.models.loading import load_tokenizer
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from lookahead.benchmarks.oracle_bound import best_runs, oracle_ratio, relative_cost
+from bench.oracle_bound import best_runs, oracle_ratio, relative_cost
 
 CURVE = {1: 1.0, 2: 1.0, 4: 1.2, 8: 2.0}
 

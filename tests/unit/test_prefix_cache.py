@@ -119,7 +119,7 @@ def test_the_decoder_prefills_only_what_is_not_cached_and_stays_lossless(
     if capacity:
         assert cached == [0, len(system) + len(b"How far is the "), len(system)]
     else:
-        assert cached == [0, 0, 0] and decoder.prefix_cache.tokens == 0
+        assert cached == [0, 0, 0] and decoder.runner.prefix_cache.tokens == 0
 
 
 def test_a_request_with_learn_off_leaves_no_trace_in_the_prefix_cache(tiny_model, byte_tokenizer) -> None:
@@ -132,17 +132,17 @@ def test_a_request_with_learn_off_leaves_no_trace_in_the_prefix_cache(tiny_model
     secret = system + list(b"My password is hunter2.")
     ids, stats = decoder.generate(secret, SamplingParams(max_tokens=8), private)
     assert ids == plain_greedy(model, secret, 8) and stats.cached_prompt_tokens == 0
-    assert decoder.prefix_cache.tokens == 0
+    assert decoder.runner.prefix_cache.tokens == 0
     probe = system + list(b"My password is hunter3.")
     assert decoder.generate(probe, SamplingParams(max_tokens=8))[1].cached_prompt_tokens == 0
 
     shared, other = list(b"Shared question one?"), list(b"Another shared one?")
     for prompt in (shared, other):
         decoder.generate(prompt, SamplingParams(max_tokens=4))
-    held = list(decoder.prefix_cache._entries)
+    held = list(decoder.runner.prefix_cache._entries)
     ids, read = decoder.generate(shared + list(b" more"), SamplingParams(max_tokens=8), private)
     assert read.cached_prompt_tokens == 0 and ids == plain_greedy(model, shared + list(b" more"), 8)
-    assert list(decoder.prefix_cache._entries) == held  # neither stored nor moved
+    assert list(decoder.runner.prefix_cache._entries) == held  # neither stored nor moved
     assert decoder.generate(shared + list(b" more"), SamplingParams(max_tokens=8))[
         1
     ].cached_prompt_tokens == len(shared)  # a learning request reads it

@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from lookahead.benchmarks.prompt_sets import PROMPT_SET_NAMES, load_prompt_set
+from bench.prompt_sets import PROMPT_SET_NAMES, load_prompt_set
 
 CODE_BLOCK = re.compile(r"```python\n(.*)\n```", re.DOTALL)
 

@@ -49,7 +49,8 @@ def test_reference_vector_two_branches_under_one_root():
     draft = retrieve_draft([1], trie_of([1, 2, 3], [1, 2, 4]), None, decoding_length=16, branch_length=3)
     assert draft.tokens[:2] == [1, 2] and sorted(draft.tokens[2:]) == [3, 4]
     assert draft.parents == [-1, 0, 1, 1]
-    assert draft.ancestor_mask().int().tolist() == [[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 1, 0, 1]]
+    mask = [[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 1, 0, 1]]
+    assert draft.ancestor_mask().astype(int).tolist() == mask
 
 
 def test_reference_vector_prompt_with_a_repeated_pair():

@@ -10,10 +10,10 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
+from bench.json_extraction import json_extraction_prompts, schema_errors
 from lookahead import LookaheadConfig, LookaheadDecoder, NGramTrie, SamplingParams
 from lookahead.algorithm.draft import FROM_GRAMMAR, Draft
 from lookahead.algorithm.retrieval import retrieve_draft
-from lookahead.benchmarks.json_extraction import json_extraction_prompts, schema_errors
 from lookahead.config import DECODING_MODES, StructuredOutputs
 from lookahead.models.embedded import prepare_default_model
 from lookahead.structured import GrammarCompiler, GrammarMatcher

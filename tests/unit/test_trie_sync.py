@@ -11,10 +11,11 @@ import numpy as np
 import pytest
 
 from backend.config import parse_parameters
-from backend.launcher import SYNC_ENV
 from backend.request import DictInputs, GenerationRequest, RequestError, RequestLimits, parse_request
+from bench.local_redis import RedisServer
 from lookahead.algorithm.trie import NGramTrie
 from lookahead.config import LookaheadConfig, SamplingParams
+from lookahead.contract import SYNC_ENV
 from lookahead.runtime.decoder import LookaheadDecoder
 from lookahead.state.keeper import TrieKeeper, learned_tokens
 from lookahead.state.persistence import load_snapshot
@@ -28,7 +29,6 @@ from lookahead.state.sync import (
     encode_entry,
     redacted,
 )
-from scripts.local_redis import RedisServer
 from tests.helpers import wait_until
 from tests.redis_server import require_redis_server, running_redis
 

@@ -1,0 +1,27 @@
+"""Every measurement of the project, run as `python -m bench NAME [ARGS]` (`--help` lists them).
+
+In one process, on the library: `decoding`, `forward_cost`, `roofline`, `retrieval_cost`, `grammar_cost`,
+`oracle_bound`, `agreement`, `device_check`. Through real servers (tritonserver, the OpenAI
+endpoint, llama-server, Redis): `load_test`, `genai_perf`, `stall_test`, `structured`,
+`peer_llama_cpp`, `fleet`, with `ab_repository` to serve two revisions side by side. Prompt sets
+(prompt_sets.py, json_extraction.py) come from data files that pip packages ship.
+"""
+
+# name -> what it measures (a module of this package with `main(argv) -> int`)
+BENCHMARKS = {
+    "decoding": "the decoder against transformers' greedy and prompt lookup decoding, in one process",
+    "forward_cost": "a forward's cost by tokens fed, stock layers and each fast-path variant",
+    "roofline": "each forward width beside this CPU's bandwidth and compute floors; a one-token breakdown",
+    "retrieval_cost": "draft retrieval's cost per query on a large trie",
+    "grammar_cost": "what a structured-output grammar costs a lookahead step",
+    "oracle_bound": "how far a drafter that knows each output could go over plain decoding",
+    "agreement": "lookahead on the fast path against transformers' greedy on stock layers",
+    "device_check": "the forward-cost curve and a decoder benchmark on a random 7B-shaped model",
+    "load_test": "perf_analyzer against the served lookahead and baseline models",
+    "genai_perf": "genai-perf through the OpenAI endpoint: TTFT, inter-token latency, tokens/s",
+    "stall_test": "whether a long prompt stalls the streams already running",
+    "structured": "structured outputs through the server, with and without lookahead",
+    "peer_llama_cpp": "llama.cpp's llama-server on the same GGUF file, the CPU peer",
+    "fleet": "replicas that learn together through Redis against replicas learning alone",
+    "ab_repository": "a model repository serving this checkout beside another revision, for one A/B run",
+}

@@ -1,0 +1,121 @@
+"""Forward-cost micro-benchmark: stock layers and every variant of the fast CPU path, by new tokens.
+
+Times the decoder's own verification forward (`LookaheadDecoder.forward_drafts`: KV pool,
+4-D tree mask) for a chain of q new tokens after `--cached` cached tokens, for q in 1..64, on
+one copy of the model per execution path in one process: transformers' stock layers and each
+variant of `lookahead.cpu`'s packed kernel this CPU runs (avx512, avx2). Each path is timed in a
+block of its own (as a server runs one model, whose weights then stay in the caches), and the
+blocks alternate over two rounds so that drift hits all of them. Prints medians in ms, each q's
+cost relative to the same path's one-token forward and each packed path's speed-up over stock,
+and checks that every path chose the same greedy tokens.
+
+    python -m bench forward_cost --threads 2 --repeats 15
+    scripts/as_avx2.sh .venv/bin/python -m bench forward_cost   # as on an AVX2-only CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from lookahead.algorithm.draft import Draft
+from lookahead.models.embedded import DEFAULT_MODEL
+from lookahead.models.loading import load_model
+from lookahead.runtime.decoder import LookaheadDecoder
+
+NEW_TOKENS = (1, 2, 4, 8, 16, 32, 64)
+
+
+def execution_paths() -> list[str]:
+    """ "stock", then "packed-<variant>" for every variant this CPU runs."""
+    from lookahead.cpu.extension import runnable_variants
+
+    return ["stock", *(f"packed-{variant.name}" for variant in runnable_variants())]
+
+
+def prefilled_decoder(model_name: str, path: str, cached: int) -> LookaheadDecoder:
+    """A decoder on `path` whose pool slot 0 holds `cached` entries of a fixed pseudo-random prompt."""
+    loaded = load_model(model_name, linear_kernel="stock")
+    if path != "stock":
+        from lookahead.cpu import apply_fast_path
+        from lookahead.cpu.extension import variant_named
+
+        apply_fast_path(loaded.model, "packed", variant_named(path.removeprefix("packed-")))
+    decoder = LookaheadDecoder(loaded.model, loaded.tokenizer)
+    generator = torch.Generator().manual_seed(0)
+    prompt = torch.randint(100, len(loaded.tokenizer) - 100, (cached,), generator=generator)
+    generation = decoder.start(prompt.tolist())
+    generation.step()  # prefill: the pool now holds `cached` entries plus nothing else
+    return decoder
+
+
+def time_forward(decoder: LookaheadDecoder, q: int, cached: int) -> tuple[float, torch.Tensor]:
+    chain = Draft(list(range(1000, 1000 + q)), list(range(-1, q - 1)))
+    with torch.inference_mode():
+        started = time.perf_counter()
+        logits = decoder.runner.forward_drafts([chain], [cached])
+        return time.perf_counter() - started, logits[0].argmax(-1)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--cached", type=int, default=256, help="KV entries before the new tokens")
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--out", type=Path, default=Path("results/bench_forward.json"))
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    paths = execution_paths()
+    decoders = {path: prefilled_decoder(args.model, path, args.cached) for path in paths}
+    samples: dict[str, dict[int, list[float]]] = {path: {q: [] for q in NEW_TOKENS} for path in paths}
+    tokens: dict[str, dict[int, torch.Tensor]] = {path: {} for path in paths}
+    for _ in range(2):  # rounds
+        for path, decoder in decoders.items():
+            for q in NEW_TOKENS:
+                for _ in range(2):  # warm-up
+                    time_forward(decoder, q, args.cached)
+                for _ in range(-(-args.repeats // 2)):
+                    seconds, tokens[path][q] = time_forward(decoder, q, args.cached)
+                    samples[path][q].append(seconds)
+    agree = all(torch.equal(tokens[path][q], tokens["stock"][q]) for path in paths for q in NEW_TOKENS)
+    medians = {
+        path: {q: statistics.median(seconds) * 1e3 for q, seconds in by_q.items()}
+        for path, by_q in samples.items()
+    }
+    print(
+        f"forward cost, {args.cached} cached tokens, {args.threads} threads, median of {args.repeats}; "
+        f"torch CPU capability {torch.backends.cpu.get_cpu_capability()}"
+    )
+    header = " | ".join(
+        f"{path + ' ms':>18} | {'x q=1':>5}" + ("" if path == "stock" else " | x stock") for path in paths
+    )
+    print(f"{'new tokens':>10} | {header}")
+    for q in NEW_TOKENS:
+        cells = []
+        for path in paths:
+            ms = medians[path][q]
+            cell = f"{ms:18.1f} | {ms / medians[path][1]:5.2f}"
+            if path != "stock":
+                cell += f" | {medians['stock'][q] / ms:7.2f}"
+            cells.append(cell)
+        print(f"{q:>10} | " + " | ".join(cells))
+    print("greedy tokens of every path agree" if agree else "WARNING: the paths chose other greedy tokens")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    report = {
+        "cached": args.cached,
+        "threads": args.threads,
+        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "ms": medians,
+        "agree": agree,
+    }
+    args.out.write_text(json.dumps(report, indent=2))
+    return 0

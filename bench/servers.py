@@ -1,0 +1,79 @@
+"""The servers a benchmark measures: a tritonserver started for the run, with tries of its own,
+or one already running; and the arguments that choose between them."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from bench.ab_repository import SHARED_CACHE_ENV
+from launcher import free_port, start_server
+from lookahead.contract import STATE_DIR_ENV
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+MODELS = ("lookahead", "baseline")
+SERVER_READY_TIMEOUT_S = 600.0  # as `python -m launcher`: a busy machine loads slowly
+
+
+class BenchmarkError(RuntimeError):
+    """A measuring tool (perf_analyzer, genai-perf) failed or left no usable result."""
+
+
+def add_server_arguments(parser: argparse.ArgumentParser, warm_trie: bool = True) -> None:
+    """--url, --start-server, --model-repository (and --warm-trie where a run may keep its tries)."""
+    parser.add_argument("--url", default="localhost:8001", help="gRPC host:port of a running server")
+    parser.add_argument("--start-server", action="store_true", help="start tritonserver for the run")
+    if warm_trie:
+        parser.add_argument(
+            "--warm-trie",
+            action="store_true",
+            help="with --start-server: keep the trie of the last run in --out",
+        )
+    else:
+        parser.set_defaults(warm_trie=False)
+    parser.add_argument("--model-repository", type=Path, default=REPO_ROOT / "model_repository")
+
+
+@contextmanager
+def tritonserver_for_run(repository: Path, out: Path, warm_trie: bool = False) -> Iterator[str]:
+    """A tritonserver on free ports serving `repository`, its log and its trie snapshots in `out`
+    (emptied first unless warm_trie); yields its gRPC URL and stops it afterwards."""
+    print(f"starting tritonserver on {repository} (log {out / 'server.log'})", flush=True)
+    state = out / "trie_state"
+    if not warm_trie:
+        shutil.rmtree(state, ignore_errors=True)
+    with start_server(
+        repository,
+        http_port=free_port(),
+        grpc_port=free_port(),
+        metrics_port=free_port(),
+        log_file=out / "server.log",
+        extra_env={
+            STATE_DIR_ENV: str(state.resolve()),
+            **{name: value for name, value in SHARED_CACHE_ENV.items() if name not in os.environ},
+        },
+        ready_timeout_s=SERVER_READY_TIMEOUT_S,
+    ) as server:
+        yield server.grpc_url
+
+
+@contextmanager
+def server_url(args: argparse.Namespace) -> Iterator[str]:
+    """The gRPC URL to measure: --url, or that of a server started for this run (--start-server)."""
+    if not args.start_server:
+        yield args.url
+        return
+    with tritonserver_for_run(args.model_repository, args.out, args.warm_trie) as url:
+        yield url
+
+
+def parse_concurrency(text: str) -> tuple[int, ...]:
+    """--concurrency: positive integers separated by commas, e.g. 1,2,4,8."""
+    levels = tuple(int(part) for part in text.split(",") if part.strip())
+    if not levels or min(levels) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers separated by commas, got {text!r}")
+    return levels

@@ -1,0 +1,196 @@
+"""`python -m launcher`: serve a model repository with tritonserver (and, on request, the
+OpenAI-compatible endpoint beside it) until Ctrl-C or SIGTERM, which drain the models first.
+
+    python -m launcher --model-repository model_repository --http-port 8000
+    python -m launcher --model qwen2.5-coder-0.5b-instruct   # every model serves the Qwen model
+    python -m launcher --openai-port 9000   # and the OpenAI-compatible endpoint (frontend/)
+
+`--model` (or $LOOKAHEAD_MODEL) replaces the `model` parameter of every model in the repository
+(a folder as an absolute path); it is prepared here before tritonserver starts (an embedded one
+installed and converted, the integer forms of its weights searched; progress on the terminal).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from types import FrameType
+
+from lookahead.contract import MODEL_ENV, SYNC_ENV
+
+from .frontend import Frontend, FrontendError, start_frontend
+from .process import refuse_busy_ports
+from .tritonserver import REPO_ROOT, TritonServer, TritonServerError, start_server
+
+LOGS_DIR = REPO_ROOT / ".cache" / "logs"
+
+
+def model_override(value: str) -> str:
+    """The LOOKAHEAD_MODEL value for `--model`: an embedded model's name or a folder's absolute path
+    (the server's processes run elsewhere), prepared before any server starts. TritonServerError
+    when it is neither."""
+    from lookahead.models.embedded import EMBEDDED_MODELS
+
+    model = value
+    if value not in EMBEDDED_MODELS:
+        folder = Path(value).expanduser()
+        if not (folder / "config.json").is_file():
+            raise TritonServerError(
+                f"--model {value!r} is neither an embedded model ({', '.join(EMBEDDED_MODELS)}) "
+                "nor a local folder with a config.json"
+            )
+        model = str(folder.resolve())
+    prepare_model(model)
+    return model
+
+
+def prepare_model(model: str) -> None:
+    """`python -m lookahead prepare MODEL`, progress on the terminal: the download, the conversion and
+    the integer-form search done once, so that every instance finds them cached and the readiness
+    wait covers only loading. In a process of its own, whose memory is freed before the server's."""
+    done = subprocess.run([sys.executable, "-m", "lookahead", "prepare", model], stdin=subprocess.DEVNULL)
+    if done.returncode != 0:
+        raise TritonServerError(f"preparing {model} failed (python -m lookahead prepare: {done.returncode})")
+
+
+def _follow(path: Path, offset: int, stop: threading.Event) -> None:
+    """Copy a growing log file from offset to stdout until stop is set and the file is drained."""
+    with open(path, "rb") as log:
+        log.seek(offset)
+        while True:
+            chunk = log.read(65536)
+            if chunk:
+                sys.stdout.buffer.write(chunk)
+                sys.stdout.flush()
+            elif stop.is_set():
+                return
+            else:
+                time.sleep(0.2)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m launcher",
+        description="Serve a model repository with tritonserver (the Python backend included).",
+        epilog="Arguments after -- go to tritonserver unchanged, e.g. -- --log-verbose=1",
+    )
+    parser.add_argument("--model-repository", type=Path, default=REPO_ROOT / "model_repository")
+    parser.add_argument("--http-port", type=int, default=8000)
+    parser.add_argument("--grpc-port", type=int, default=8001)
+    parser.add_argument("--metrics-port", type=int, default=8002)
+    parser.add_argument(
+        "--log-file",
+        type=Path,
+        help="appended to (default: .cache/logs/tritonserver-<http port>.log, rewritten)",
+    )
+    parser.add_argument(
+        "--openai-port",
+        type=int,
+        default=0,
+        help="also serve the OpenAI-compatible endpoint (python -m frontend) on this port; 0: off",
+    )
+    parser.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for readiness")
+    parser.add_argument(
+        "--model",
+        default=os.environ.get(MODEL_ENV) or None,
+        help=f"serve every model of the repository on this embedded model or folder (default: ${MODEL_ENV}, "
+        "else each config.pbtxt's model parameter)",
+    )
+    parser.add_argument(
+        "--trie-sync",
+        metavar="URL",
+        help=f"every model's trie_sync: the Redis URL its replicas learn through (default: ${SYNC_ENV}, "
+        "else each config.pbtxt's trie_sync parameter)",
+    )
+    argv = list(sys.argv[1:] if argv is None else argv)
+    split = argv.index("--") if "--" in argv else len(argv)
+    args, extra = parser.parse_args(argv[:split]), argv[split + 1 :]
+    extra_env = {}
+    if args.openai_port:
+        try:
+            refuse_busy_ports({"openai-port": args.openai_port}, TritonServerError)
+        except TritonServerError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+    if args.model:
+        try:
+            extra_env[MODEL_ENV] = model_override(args.model)
+        except (TritonServerError, OSError, RuntimeError) as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+        print(f"every model of {args.model_repository} serves {extra_env[MODEL_ENV]}", flush=True)
+    if args.trie_sync:
+        extra_env[SYNC_ENV] = args.trie_sync
+    log_path = args.log_file or LOGS_DIR / f"tritonserver-{args.http_port}.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    log_path.open("ab" if args.log_file else "wb").close()
+    stop_following = threading.Event()
+    start_offset = log_path.stat().st_size  # an existing --log-file is appended to: show only this run
+    follower = threading.Thread(target=_follow, args=(log_path, start_offset, stop_following), daemon=True)
+    follower.start()
+
+    server: TritonServer | None = None
+    openai: Frontend | None = None
+    stop_signal: list[int] = []  # the first SIGINT/SIGTERM once serving: the main thread stops the server
+    stop_requested = threading.Event()
+
+    def forward(signum: int, frame: FrameType | None) -> None:
+        starting = server is None or (args.openai_port and openai is None)
+        if starting or stop_signal:  # a second signal: no more draining
+            if server is not None and server.process.poll() is None:
+                server.process.send_signal(signum)
+            if starting:
+                raise KeyboardInterrupt  # abort the readiness wait, which stops it
+            return
+        stop_signal.append(signum)
+        stop_requested.set()
+
+    signal.signal(signal.SIGINT, forward)
+    signal.signal(signal.SIGTERM, forward)
+    try:
+        server = start_server(
+            args.model_repository,
+            http_port=args.http_port,
+            grpc_port=args.grpc_port,
+            metrics_port=args.metrics_port,
+            log_file=log_path,
+            extra_args=extra,
+            extra_env=extra_env,
+            ready_timeout_s=args.ready_timeout,
+        )
+        if args.openai_port:
+            openai = start_frontend(server.grpc_url, args.openai_port, env={**os.environ, **extra_env})
+        endpoint = f"  OpenAI {openai.url}" if openai else ""
+        print(
+            f"\ntritonserver ready: HTTP {server.http_url}  gRPC {server.grpc_url}  "
+            f"metrics {server.metrics_url}{endpoint}\nlog: {log_path}   stop with Ctrl-C\n",
+            flush=True,
+        )
+        while server.process.poll() is None and not stop_requested.wait(0.5):
+            pass
+        # After a crash too: it waits for the stubs and removes the drain folder.
+        code = server.stop(signum=stop_signal[0] if stop_signal else signal.SIGTERM)
+    except KeyboardInterrupt:
+        if server is not None:
+            server.stop()
+        code = 130
+    except (TritonServerError, FrontendError) as err:
+        if server is not None:
+            server.stop()
+        stop_following.set()
+        follower.join()
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    finally:
+        if openai is not None:
+            openai.stop()
+    stop_following.set()
+    follower.join()
+    return 0 if stop_signal and code in (0, -signal.SIGTERM, -signal.SIGINT) else code

@@ -1,0 +1,208 @@
+"""The model's side of a step: every forward, the KV pool and the prefix cache.
+
+`ModelRunner.forward_segments` feeds the step's segments (prompt chunks and/or roots with their
+drafts) as one ragged row over the KV pool, or, when every segment is a lone root, as a [k, 1]
+block (plain batched decoding). It writes the segments' KV entries and commits nothing; the
+decoder verifies, then moves the accepted entries (`compact`). A request's slot is given when it
+is admitted, holding whatever prefix of its prompt the prefix cache has.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import DynamicCache
+
+from ..algorithm.draft import Draft
+from .generation import Generation
+from .kv_pool import INITIAL_LENGTH, KVLayout, KVPool, PoolStep, footprint, pow2
+from .output_layer import plain_output_layer
+from .prefix_cache import PrefixCache
+from .step_inputs import AttentionMasks, Segment, decode_inputs, ragged_inputs, to_device
+
+# Prompt positions whose logits exist at once when prompt logprobs are scored (rows x vocab floats).
+SCORED_ROWS = 256
+
+
+@dataclass
+class Work:
+    """One generation's part of a forward: its segment, and whether its prompt chunk is scored."""
+
+    gen: Generation
+    segment: Segment
+    scoring: bool = False  # its prompt chunk's logits go to gen.score_prompt (prompt logprobs)
+
+
+class ModelRunner:
+    """Runs one model's forwards for a decoder, over a KV pool of at most kv_cache_bytes (0: no
+    bound) and a prefix cache of prefix_cache_tokens positions (0: none)."""
+
+    def __init__(self, model: Any, *, prefix_cache_tokens: int, kv_cache_bytes: int):
+        self.model = model
+        self.device = next(model.parameters()).device
+        self.dtype = model.dtype  # a property that walks every parameter: read once
+        self.masks = AttentionMasks(model.config, self.dtype)
+        self.vocab_size = model.get_input_embeddings().num_embeddings
+        self.context_length: int | None = getattr(model.config, "max_position_embeddings", None)
+        self.kv_cache_bytes = kv_cache_bytes
+        self.pool = KVPool(limit_bytes=kv_cache_bytes)
+        self.prefix_cache = PrefixCache(prefix_cache_tokens)
+        # With a plain output layer, forwards run the decoder and the layer apart (fewer wrappers,
+        # and no logits for padding rows).
+        self.head_of_hidden = plain_output_layer(model)
+        self.inner = model.get_decoder() if self.head_of_hidden is not None else None
+        self._kv_layout: KVLayout | None = None
+
+    @property
+    def kv_layout(self) -> KVLayout:
+        """Every layer's KV heads and head size (read once off a one-token forward)."""
+        if self._kv_layout is None:
+            cache = DynamicCache()
+            with torch.inference_mode():
+                self.model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=self.device), cache=cache)
+            layers = [layer for layer in cache.layers if layer.keys is not None]
+            self._kv_layout = KVLayout(
+                [layer.keys.shape[1] for layer in layers],
+                [layer.keys.shape[3] for layer in layers],
+                layers[0].keys.dtype,
+                layers[0].keys.device,
+            )
+        return self._kv_layout
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of one position's keys and values over all layers."""
+        layout = self.kv_layout
+        size = torch.tensor([], dtype=layout.dtype).element_size()
+        return sum(2 * heads * dim * size for heads, dim in zip(layout.heads, layout.head_dims))
+
+    def kv_bytes(self, longest: Sequence[int]) -> int:
+        """Peak bytes of the KV pool holding requests that hold at most these many entries each,
+        its growth's transient copy included (the pool refuses to go past kv_cache_bytes by the same
+        count)."""
+        if not longest:
+            return 0
+        return footprint(self.kv_layout, len(longest), max(INITIAL_LENGTH, pow2(max(longest))))
+
+    def fits(self, longest: Sequence[int]) -> bool:
+        """Whether requests holding at most these many entries each fit within kv_cache_bytes."""
+        return not self.kv_cache_bytes or self.kv_bytes(longest) <= self.kv_cache_bytes
+
+    def held_entries(self) -> int:
+        """The most KV entries any running request holds between steps."""
+        return max((len(gen.ids) for gen in self.pool.owners if gen is not None), default=0)
+
+    def pack(self) -> None:
+        """The running requests in the first slots, so that a growth allocates only theirs
+        (kv_cache_bytes counts running requests); between steps only (slot numbers change)."""
+        self.pool.pack(self.held_entries())
+
+    def admit(self, gen: Generation, use_prefix_cache: bool) -> int:
+        """Give a new generation a pool slot holding whatever prefix of its prompt the prefix cache
+        has (only where `use_prefix_cache`); return that prefix's length."""
+        if self.pool.layout is None:
+            self.pool.layout = self.kv_layout
+        cached, keys, values = self.prefix_cache.lookup(gen.ids) if use_prefix_cache else (0, [], [])
+        self.pool.admit(gen, keys, values, used=self.held_entries())
+        return cached
+
+    def keep_prompt(self, prompt: list[int], slot: int) -> None:
+        """Keep a read prompt's KV (the first len(prompt) entries of its slot) for later prompts
+        sharing a prefix, where the prefix cache has room and does not hold it yet."""
+        if not self.prefix_cache.capacity or len(prompt) > self.prefix_cache.capacity:
+            return
+        if self.prefix_cache.holds(prompt):
+            return
+        self.prefix_cache.store(prompt, *self.pool.prefix(slot, len(prompt)))
+
+    def release_idle(self) -> None:
+        """Give memory back when no request runs."""
+        if self.pool.idle:
+            self.pool.free()
+
+    def forward_segments(self, works: list[Work]) -> list[torch.Tensor | None]:
+        """Logits of each segment's draft rows [len(draft), vocab] (None for a chunk without one);
+        scored prompt chunks hand their rows' logits to their generation.
+
+        Writes the segments' KV entries but commits nothing, so the same call can be repeated.
+        """
+        segments = [work.segment for work in works]
+        if len(segments) > 1 and all(s.width == 1 and s.draft is not None for s in segments):
+            return self._forward_batched(works)
+        ids, positions, mask = ragged_inputs(segments, self.masks)
+        step = PoolStep.ragged(
+            [s.slot for s in segments], [s.start for s in segments], [s.width for s in segments]
+        )
+        inputs = {
+            "input_ids": ids.to(self.device),
+            "position_ids": positions.to(self.device),
+            "attention_mask": to_device(mask, self.device),
+            "cache": self.pool.step_cache(step, max(s.start for s in segments)),
+            "use_cache": True,
+        }
+        if self.head_of_hidden is None:
+            logits = self.model(**inputs).logits[0]
+            head: Callable[[torch.Tensor], torch.Tensor] = lambda rows: rows  # noqa: E731
+            hidden = logits
+        else:
+            hidden = self.inner(**inputs).last_hidden_state[0]
+            head = self.head_of_hidden
+        results: list[torch.Tensor | None] = []
+        offset = 0
+        for work in works:
+            segment = work.segment
+            chunk = len(segment.prompt)
+            if work.scoring:
+                for block in hidden[offset : offset + chunk].split(SCORED_ROWS):
+                    work.gen.score_prompt(head(block))
+            if segment.draft is None:
+                results.append(None)
+            else:
+                results.append(hidden[offset + chunk : offset + segment.width])
+            offset += segment.width
+        drafted = [rows for rows in results if rows is not None]
+        if not drafted or self.head_of_hidden is None:
+            return results
+        logits = iter(head(torch.cat(drafted)).split([len(rows) for rows in drafted]))
+        return [next(logits) if rows is not None else None for rows in results]
+
+    def _forward_batched(self, works: list[Work]) -> list[torch.Tensor | None]:
+        """Plain decoding of k requests as a [k, 1] block, their slots arranged to 0..k-1."""
+        gens = [work.gen for work in works]
+        arranged = self.pool.arrange(gens, max(len(gen.ids) for gen in gens))
+        order = {id(gen): i for i, gen in enumerate(arranged)}
+        for work in works:
+            work.segment.slot = order[id(work.gen)]
+        ordered = sorted(works, key=lambda work: work.segment.slot)
+        drafts = [work.segment.draft for work in ordered]
+        lengths = [work.segment.start for work in ordered]
+        ids, positions, mask = decode_inputs(drafts, lengths, self.masks)
+        inputs = {
+            "input_ids": ids.to(self.device),
+            "position_ids": positions.to(self.device),
+            "attention_mask": to_device(mask, self.device),
+            "cache": self.pool.step_cache(PoolStep.batched(lengths, 1, self.device), max(lengths)),
+            "use_cache": True,
+        }
+        if self.head_of_hidden is None:
+            logits = self.model(**inputs).logits[:, 0]
+        else:
+            logits = self.head_of_hidden(self.inner(**inputs).last_hidden_state[:, 0])
+        by_gen = {id(work.gen): logits[i : i + 1] for i, work in enumerate(ordered)}
+        return [by_gen[id(work.gen)] for work in works]
+
+    def forward_drafts(
+        self, drafts: list[Draft], lengths: list[int], slots: Sequence[int] | None = None
+    ) -> list[torch.Tensor]:
+        """Logits [len(drafts[i]), vocab] of the draft of pool slot slots[i] (default i), fed after
+        its lengths[i] cached entries, in one forward (benchmarks and tests; the decoder plans
+        its own steps)."""
+        slots = range(len(drafts)) if slots is None else slots
+        works = [
+            Work(self.pool.owners[slot], Segment(slot, length, [], draft))
+            for slot, draft, length in zip(slots, drafts, lengths)
+        ]
+        return self.forward_segments(works)

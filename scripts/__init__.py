@@ -1,1 +1,0 @@
-"""Command-line tools around the library: benchmarks and their prompt sets."""
