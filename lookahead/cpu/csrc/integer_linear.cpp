@@ -29,8 +29,8 @@ struct Int4Chunks {
   void prefetch(int64_t block, int64_t chunk) const {
     _mm_prefetch(reinterpret_cast<const char*>(q + (block * (K / 8) + chunk) * 64), _MM_HINT_T0);
   }
-  static I32x16 dot(const I32x16& acc, const Prepared& w, int32_t x4) { return dot_unsigned(acc, w, x4); }
-  static I32x16 start(int32_t) { return I32x16::zero(); }
+  using Sums = NibbleSums;
+  static Sums start(int32_t) { return NibbleSums::zero(); }
 };
 
 // The int8 form: two loads of 64 bytes per 8 inputs.
@@ -49,8 +49,8 @@ struct Int8Chunks {
     _mm_prefetch(p, _MM_HINT_T0);
     _mm_prefetch(p + 64, _MM_HINT_T0);
   }
-  static I32x16 dot(const I32x16& acc, const Prepared& w, int32_t x4) { return dot_signed(acc, w, x4); }
-  static I32x16 start(int32_t activation_sum) { return signed_start(activation_sum); }
+  using Sums = SignedSums;
+  static Sums start(int32_t activation_sum) { return SignedSums::start(activation_sum); }
 };
 
 template <class Scale>
@@ -82,10 +82,10 @@ void tile(const QuantisedRows& x, int64_t r0, const Chunks& w, const IntegerWeig
 #pragma GCC unroll 16
   for (int r = 0; r < Rows; ++r) xq[r] = x.q.data() + (r0 + r) * K;
   for (int64_t g = 0; g < groups; ++g) {
-    I32x16 sums[Rows][Blocks];
+    typename Chunks::Sums sums[Rows][Blocks];
 #pragma GCC unroll 16
     for (int r = 0; r < Rows; ++r) {
-      const I32x16 start = Chunks::start(x.sums[(r0 + r) * groups + g]);
+      const auto start = Chunks::start(x.sums[(r0 + r) * groups + g]);
 #pragma GCC unroll 16
       for (int j = 0; j < Blocks; ++j) sums[r][j] = start;
     }
@@ -100,7 +100,10 @@ void tile(const QuantisedRows& x, int64_t r0, const Chunks& w, const IntegerWeig
       for (int r = 0; r < Rows; ++r) {
         const int32_t x0 = four_bytes(xq[r] + c * 8), x1 = four_bytes(xq[r] + c * 8 + 4);
 #pragma GCC unroll 16
-        for (int j = 0; j < Blocks; ++j) sums[r][j] = Chunks::dot(Chunks::dot(sums[r][j], first[j], x0), second[j], x1);
+        for (int j = 0; j < Blocks; ++j) {
+          sums[r][j].add(first[j], x0);
+          sums[r][j].add(second[j], x1);
+        }
       }
     }
 #pragma GCC unroll 16
@@ -110,7 +113,7 @@ void tile(const QuantisedRows& x, int64_t r0, const Chunks& w, const IntegerWeig
 #pragma GCC unroll 16
       for (int r = 0; r < Rows; ++r) {
         const F32x16 dx = F32x16::broadcast(x.d[(r0 + r) * (K / kBlock) + g * group / kBlock]);
-        acc[r][j] = F32x16::fmadd(F32x16::mul(dw, dx), sums[r][j].to_float(), acc[r][j]);
+        acc[r][j] = F32x16::fmadd(F32x16::mul(dw, dx), sums[r][j].total().to_float(), acc[r][j]);
       }
       if constexpr (Offsets) {
         const F32x16 mw = scales_at<Scale>(form.m, offset);

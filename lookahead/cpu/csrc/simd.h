@@ -101,6 +101,7 @@ inline I32x16 dot_signed(const I32x16& acc, const SignedQ8x64& w, int32_t x4) {
 inline I32x16 signed_start(int32_t activation_sum) { return I32x16::broadcast(-128 * activation_sum); }
 // Integer tiles: rows x blocks of int32 and fp32 accumulators.
 constexpr int64_t kIntFewRows = 2, kIntWideBlocks = 4, kIntBlocks = 2, kIntMaxRows = 6;
+#define LOOKAHEAD_DOT_INTO_INT32 1
 #else
 #error "the avx512 variant needs AVX512-VNNI and AVX512BW (-mavx512vnni -mavx512bw)"
 #endif
@@ -227,6 +228,7 @@ inline I32x16 dot_signed(const I32x16& acc, const SignedQ8x64& w, int32_t x4) {
   return {_mm256_dpbusd_avx_epi32(acc.lo, w.lo, x), _mm256_dpbusd_avx_epi32(acc.hi, w.hi, x)};
 }
 inline I32x16 signed_start(int32_t activation_sum) { return I32x16::broadcast(-128 * activation_sum); }
+#define LOOKAHEAD_DOT_INTO_INT32 1
 #else
 constexpr const char* kIntegerDot = "avx2";
 // vpmaddubsw multiplies unsigned by signed bytes and adds pairs into int16 (saturating), vpmaddwd
@@ -252,11 +254,50 @@ inline I32x16 dot_signed(const I32x16& acc, const SignedQ8x64& w, int32_t x4) {
   return {dot4(acc.lo, w.abs_lo, _mm256_sign_epi8(x, w.lo)), dot4(acc.hi, w.abs_hi, _mm256_sign_epi8(x, w.hi))};
 }
 inline I32x16 signed_start(int32_t) { return I32x16::zero(); }
+
+// The dot products of unsigned nibbles over one group of inputs, kept as vpmaddubsw's int16 pair
+// sums until the group ends (one vpmaddwd then, not one per four inputs): a group of 32 inputs adds
+// 8 pairs per int16 lane, at most 8 x 3810 = 30480 < 32767.
+struct NibbleSums {
+  __m256i lo, hi;
+
+  static NibbleSums zero() { return {_mm256_setzero_si256(), _mm256_setzero_si256()}; }
+  void add(const Q8x64& u, int32_t x4) {
+    const __m256i x = _mm256_set1_epi32(x4);
+    lo = _mm256_add_epi16(lo, _mm256_maddubs_epi16(u.lo, x));
+    hi = _mm256_add_epi16(hi, _mm256_maddubs_epi16(u.hi, x));
+  }
+  I32x16 total() const {
+    const __m256i ones = _mm256_set1_epi16(1);
+    return {_mm256_madd_epi16(lo, ones), _mm256_madd_epi16(hi, ones)};
+  }
+};
 #endif
 
 #else
 #error "the packed kernel needs AVX-512 (-mavx512f -mavx512vl -mfma) or AVX2 (-mavx2 -mfma -mf16c)"
 #endif
+
+#if defined(LOOKAHEAD_DOT_INTO_INT32)
+// With VNNI the dot products go straight into int32 lanes.
+struct NibbleSums {
+  I32x16 acc;
+
+  static NibbleSums zero() { return {I32x16::zero()}; }
+  void add(const Q8x64& u, int32_t x4) { acc = dot_unsigned(acc, u, x4); }
+  I32x16 total() const { return acc; }
+};
+#endif
+
+// The dot products of signed bytes over one group of inputs, in int32 lanes from the start
+// (`signed_start`: what a variant's trick adds takes the group's activation sum off).
+struct SignedSums {
+  I32x16 acc;
+
+  static SignedSums start(int32_t activation_sum) { return {signed_start(activation_sum)}; }
+  void add(const SignedQ8x64& w, int32_t x4) { acc = dot_signed(acc, w, x4); }
+  I32x16 total() const { return acc; }
+};
 
 // The sum of the sixteen lanes, added in one fixed order on every variant: lanes (i, i + 8), then
 // (i, i + 4), (i, i + 2), (i, i + 1).
