@@ -15,7 +15,7 @@
 #   docker run --rm --shm-size 1g -p 9000:9000 lookahead-triton \
 #     python3 /opt/tritonserver/python/openai/openai_frontend/main.py \
 #       --model-repository /opt/lookahead/model_repository --backend vllm \
-#       --tokenizer /opt/lookahead/.cache/models/smollm2-135m-instruct
+#       --tokenizer /opt/lookahead/.cache/models/gguf-metadata/smollm2-135m-instruct
 FROM nvcr.io/nvidia/tritonserver:25.12-py3
 
 WORKDIR /opt/lookahead
@@ -38,7 +38,7 @@ COPY frontend ./frontend
 COPY launcher ./launcher
 COPY model_repository ./model_repository
 
-# Convert the embedded default model once, at build time, so the server starts in seconds; on a
+# Prepare the embedded default model (its tokenizer) once, at build time, so the server starts in seconds; on a
 # CPU-only run the packed AVX-512 linear kernel needs g++ and is compiled here too (it reports,
 # and the server falls back to stock layers, where the build machine cannot run it).
 RUN (command -v g++ >/dev/null || (apt-get update && apt-get install -y --no-install-recommends g++ \
@@ -47,6 +47,7 @@ RUN (command -v g++ >/dev/null || (apt-get update && apt-get install -y --no-ins
 
 EXPOSE 8000 8001 8002 9000
 # Through the launcher: on `docker stop` (SIGTERM) it drains the models (requests answered, tries saved)
-# before tritonserver gets the signal; give it the time: docker stop -t 45.
+# before tritonserver gets the signal, all within 23 s (launcher/tritonserver.py STOP_TIMEOUT_S);
+# give it the time: docker stop -t 30.
 STOPSIGNAL SIGTERM
 CMD ["python3", "-m", "launcher", "--model-repository", "/opt/lookahead/model_repository"]

@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 
 from lookahead.algorithm.trie import MAX_DEPTH_LIMIT
 from lookahead.config import DRAFTER_NAMES, LINEAR_KERNELS, DecoderConfig, LookaheadConfig, TrieConfig
-from lookahead.contract import MODEL_ENV, STATE_DIR_ENV, SYNC_ENV
+from lookahead.contract import DEFAULT_MAX_PROMPT_TOKENS, MODEL_ENV, STATE_DIR_ENV, SYNC_ENV
 from lookahead.models.embedded import DEFAULT_MODEL
 from lookahead.models.loading import DTYPES
 from lookahead.state.sync import check_url
@@ -53,13 +53,14 @@ class BackendConfig:
     trie_sync: str = ""  # "": the trie learns alone; else the Redis URL of the fleet's stream
     trie_sync_namespace: str = "lookahead"  # key prefix: fleets that must not share drafts use their own
     trie_sync_max_entries: int = 10000  # the stream's MAXLEN (approximate): what Redis retains
-    max_prompt_tokens: int = 4096
+    max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS
     max_output_tokens: int = 0  # 0: only the model's context window bounds max_tokens
     max_running_requests: int = 16  # requests stepped together; the rest wait in the queue, in order
     max_queued_requests: int = 256  # requests waiting beyond this get UNAVAILABLE; 0: no bound
     queue_timeout_s: float = 0.0  # a request waiting longer gets UNAVAILABLE; 0: no bound
     report_custom_metrics: bool = True
     acceptance_outputs: bool = True  # return_perf_metrics may report a request's drafts (a side channel)
+    stream_each_token: bool = False  # streaming: one response per token (requests may say otherwise)
 
     @classmethod
     def from_triton_args(cls, args: Mapping[str, str]) -> BackendConfig:
@@ -260,6 +261,8 @@ PARAMETERS: dict[str, tuple[tuple[str, ...], Callable[..., Any]]] = {
     "prefix_cache_tokens": (("decoder", "prefix_cache_tokens"), _int(minimum=0)),
     "kv_cache_bytes": (("decoder", "kv_cache_bytes"), _int(minimum=0)),
     "grammar_compile_timeout_s": (("decoder", "grammar_compile_timeout_s"), _float(minimum=0.0)),
+    "grammar_max_bytes": (("decoder", "grammar_max_bytes"), _int(minimum=1)),
+    "grammar_max_choices": (("decoder", "grammar_max_choices"), _int(minimum=1)),
     "trie_capacity": (("trie", "capacity"), _int(minimum=1)),
     "trie_depth": (("trie", "depth"), _int(minimum=2)),
     "trie_state_dir": (("trie_state_dir",), _path),
@@ -275,4 +278,5 @@ PARAMETERS: dict[str, tuple[tuple[str, ...], Callable[..., Any]]] = {
     "queue_timeout_s": (("queue_timeout_s",), _float(minimum=0.0)),
     "REPORT_CUSTOM_METRICS": (("report_custom_metrics",), _bool),
     "acceptance_outputs": (("acceptance_outputs",), _bool),
+    "stream_each_token": (("stream_each_token",), _bool),
 }

@@ -89,6 +89,15 @@ class DrainWatch:
         self.stopped.set()
         _pid_file(self.folder, self.pid, "serving").unlink(missing_ok=True)
 
+    def leave(self) -> None:
+        """The server is gone without a drain (killed, its launcher with it, which will not remove the
+        folder): unregister, and the last instance to leave removes the folder."""
+        self.stop()
+        _pid_file(self.folder, self.pid, "drained").unlink(missing_ok=True)
+        registered = {int(p.stem) for p in self.folder.glob("*.*") if p.stem.isdigit()}
+        if not any(_alive(pid) for pid in registered):
+            shutil.rmtree(self.folder, ignore_errors=True)
+
 
 def watch_drain(
     on_drain: Callable[[], None], env: Mapping[str, str] = os.environ, poll_s: float = POLL_S

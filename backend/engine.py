@@ -28,6 +28,7 @@ from lookahead.runtime.decoder import LookaheadDecoder
 from lookahead.runtime.generation import Generation, GenerationStats, StepOutput
 from lookahead.runtime.logprobs import PositionLogprobs
 from lookahead.state.keeper import TrieKeeper
+from lookahead.structured import CompiledGrammar, GrammarLimitError
 
 from .config import BackendConfig
 from .request import GenerationRequest
@@ -37,6 +38,7 @@ QUEUE_FULL = "the queue is full ({count} requests wait, max_queued_requests); re
 QUEUE_TIMEOUT = (
     "the request waited {waited:.1f} s in the queue, more than queue_timeout_s ({limit:g}); retry later"
 )
+MAX_ERROR_CHARS = 2000  # an error response's message is cut here: it never echoes a whole input
 ENGINE_FAILED = "the engine thread failed ({error}); the model must be reloaded (see the server log)"
 # Errors after which the device cannot be trusted for anyone: the engine stops (vLLM's health check).
 _WAKE = object()  # in the inbox: the engine thread looks at `unloading` at once, even while idle
@@ -73,6 +75,7 @@ class RequestState:
     id: str
     sender: Any  # the Triton response sender: only the response thread calls it
     request: GenerationRequest | None = None  # None when rejected before reaching the engine
+    grammar: CompiledGrammar | None = None  # its structured-output constraint, compiled before the engine
     arrival: float = field(default_factory=time.monotonic)
     cancelled: bool = False
     generation: Generation | None = None
@@ -84,12 +87,28 @@ class RequestState:
     text_parts: list[str] = field(default_factory=list)  # non-streaming: the whole output so far
     prompt_logprobs_sent: bool = False
     answered: bool = False  # its final response went out (response thread only)
+    # Several samples of the prompt (n, best_of): a state per sample, this one first; each sample's
+    # last update (non-streaming: its whole output) once it finished.
+    samples: list[RequestState] = field(default_factory=list)
+    last_update: Update | None = None
 
     @property
-    def longest(self) -> int:
-        """The most KV entries the request can hold (see LookaheadDecoder.longest)."""
+    def longest(self) -> list[int]:
+        """The most KV entries each of the request's samples can hold (see LookaheadDecoder.longest)."""
         request = self.request
-        return LookaheadDecoder.longest(len(request.prompt_ids), request.sampling, request.lookahead)
+        longest = LookaheadDecoder.longest(len(request.prompt_ids), request.sampling, request.lookahead)
+        return [longest] * request.sampling.samples
+
+    @property
+    def members(self) -> list[RequestState]:
+        """The states of the request's samples (this one alone unless it has several)."""
+        return self.samples or [self]
+
+    @property
+    def stats(self) -> GenerationStats | None:
+        """The request's stats: its samples' summed (the prompt counted once)."""
+        every = [m.generation.stats for m in self.members if m.generation is not None]
+        return merged_stats(every) if every else None
 
 
 class TokenArrival(NamedTuple):
@@ -115,11 +134,33 @@ class Update:
     logprobs: list[PositionLogprobs] | None = None  # of this response's tokens, when computed
     cumulative_logprob: float | None = None
     prompt_logprobs: list[PositionLogprobs | None] | None = None  # on the first response
+    # Several samples: one update per returned sample (its text, tokens, logprobs, finish reason),
+    # in the order of the response's output elements.
+    samples: tuple[Update, ...] = ()
 
     @classmethod
     def failed(cls, state: RequestState, code: FailureCode, message: str) -> Update:
-        stats = state.generation.stats if state.generation is not None else None
-        return cls(state, final=True, stats=stats, failure=code, message=message)
+        """A request's final error; its message at most MAX_ERROR_CHARS long."""
+        if len(message) > MAX_ERROR_CHARS:
+            message = f"{message[: MAX_ERROR_CHARS - 40]}... ({len(message)} characters in all)"
+        return cls(state, final=True, stats=state.stats, failure=code, message=message)
+
+    @property
+    def pieces(self) -> tuple[Update, ...]:
+        """One update per output element: the samples', or this one."""
+        return self.samples or (self,)
+
+
+def merged_stats(every: list[GenerationStats]) -> GenerationStats:
+    """The stats of several samples of one prompt as one request's: tokens and drafts summed."""
+    if len(every) == 1:
+        return every[0]
+    total = GenerationStats(prompt_tokens=every[0].prompt_tokens)
+    for stats in every:
+        for name in ("output_tokens", "cached_prompt_tokens", "steps", "draft_tokens", "drafts"):
+            setattr(total, name, getattr(total, name) + getattr(stats, name))
+        total.accepted_draft_tokens += stats.accepted_draft_tokens
+    return total
 
 
 class Engine:
@@ -299,14 +340,18 @@ class Engine:
         """Start waiting requests in arrival order while the running ones leave room for them."""
         while self.waiting and len(self.active) < self.max_running_requests:
             state = self.waiting[0]
-            if self.active and not self.decoder.fits([*(s.longest for s in self.active), state.longest]):
+            held = [longest for s in self.active for longest in s.longest]
+            if self.active and not self.decoder.fits([*held, *state.longest]):
                 return  # it waits, and so do the ones behind it
             self.waiting.popleft()
             request = state.request
             try:
-                state.generation = self.decoder.start(
-                    request.prompt_ids, request.sampling, request.lookahead, request_id=state.id
-                )
+                if request.sampling.samples > 1:
+                    self._start_samples(state)
+                else:
+                    state.generation = self.decoder.start(
+                        request.prompt_ids, request.sampling, request.lookahead, state.id, state.grammar
+                    )
             except ValueError as error:  # a request this model can never serve
                 self._finish(state, Update.failed(state, FailureCode.INVALID_ARG, str(error)))
                 continue
@@ -316,6 +361,20 @@ class Engine:
                 self._fail(state, error)
                 continue
             self.active.append(state)
+
+    def _start_samples(self, state: RequestState) -> None:
+        """A request for several samples: a state per sample, each with its generation."""
+        request = state.request
+        generations = self.decoder.start_samples(
+            request.prompt_ids, request.sampling, request.lookahead, state.id, state.grammar
+        )
+        state.generation = generations[0]
+        state.samples = [state] + [
+            RequestState(
+                f"{state.id}#{i}", None, request, state.grammar, state.arrival, generation=generation
+            )
+            for i, generation in enumerate(generations[1:], 1)
+        ]
 
     def _idle_timeout(self) -> float | None:
         """While idle, wake up only for the keeper: a snapshot that is due, entries to insert."""
@@ -334,15 +393,18 @@ class Engine:
         """One decoder.step() for these requests, then their updates. A request whose own work
         failed ends with INTERNAL; a failed shared forward is retried request by request (nothing
         was committed yet)."""
+        running = {id(state): _running(state) for state in states}
         try:
-            outputs = self.decoder.step([state.generation for state in states])
+            stepped = self.decoder.step([m.generation for s in states for m in running[id(s)]])
+            outputs = iter(stepped)
+            results = {id(s): [next(outputs) for _ in running[id(s)]] for s in states}
         except FATAL_ERRORS:
             raise
         except Exception:
-            outputs = []
+            results = {}
             for state in list(states):
                 try:
-                    outputs.extend(self.decoder.step([state.generation]))
+                    results[id(state)] = self.decoder.step([m.generation for m in running[id(state)]])
                 except FATAL_ERRORS:
                     raise
                 except Exception as error:
@@ -350,23 +412,28 @@ class Engine:
                     self._fail(state, error)
         if self.keeper is not None:
             self.keeper.mark_changed()
-        self._timestamp(states, outputs)
-        for state, output in zip(states, outputs):
-            if output.error is not None:
-                self._fail(state, output.error)
+        pairs = {id(s): list(zip(running[id(s)], results[id(s)])) for s in states}
+        self._timestamp([pair for s in states for pair in pairs[id(s)]])
+        for state in states:
+            error = next((output.error for _, output in pairs[id(state)] if output.error is not None), None)
+            if error is not None:
+                self._fail(state, error)
                 continue
-            update = self._update_for(state, output)
-            if update is None:
-                continue
-            if update.final:
-                self._finish(state, update)
+            if state.samples:
+                updates = self._sample_updates(state, pairs[id(state)])
             else:
-                self.emit(update)
+                updates = self._updates_for(state, pairs[id(state)][0][1])
+            for update in updates:
+                if update.final:
+                    self._finish(state, update)
+                else:
+                    self.emit(update)
 
-    def _timestamp(self, states: list[RequestState], outputs: list[StepOutput]) -> None:
-        """Note when each request's tokens came, and tell on_step before any response goes out."""
+    def _timestamp(self, pairs: list[tuple[RequestState, StepOutput]]) -> None:
+        """Note when each request's (or sample's) tokens came, and tell on_step before any response
+        goes out."""
         now, arrivals = time.monotonic(), []
-        for state, output in zip(states, outputs):
+        for state, output in pairs:
             if output.error is None and output.token_ids:
                 arrivals.append(TokenArrival(state, len(output.token_ids), state.last_output_time))
                 if state.first_output_time is None:
@@ -380,10 +447,84 @@ class Engine:
         self._finish(state, Update.failed(state, FailureCode.CANCELLED, "Request was cancelled"))
 
     def _fail(self, state: RequestState, error: BaseException) -> None:
-        """One broken request ends with an error; the instance and the other requests go on."""
+        """One broken request ends with an error; the instance and the other requests go on. A
+        constraint that outgrew the grammar engine's limits is the request's own: INVALID_ARG."""
+        if isinstance(error, GrammarLimitError):
+            self.log.log_warn(f"Request {state.id} ended: {error}")
+            self._finish(state, Update.failed(state, FailureCode.INVALID_ARG, str(error)))
+            return
         trace = "".join(traceback.format_exception(error))
         self.log.log_error(f"Error generating request {state.id}: {trace}")
         self._finish(state, Update.failed(state, FailureCode.INTERNAL, f"Error generating text: {error}"))
+
+    def _sample_updates(
+        self, state: RequestState, pairs: list[tuple[RequestState, StepOutput]]
+    ) -> list[Update]:
+        """The responses of a request for several samples after a step. Streaming: as many as the
+        most any sample made, the k-th holding each sample's k-th update (or an empty piece);
+        else one, once every sample finished, with each returned sample's whole output (best_of:
+        the n of highest cumulative logprob, best first, as vLLM's V0 engine returned them)."""
+        request = state.request
+        made = {id(member): self._updates_for(member, output) for member, output in pairs}
+        for member, _ in pairs:
+            if made[id(member)]:
+                member.last_update = made[id(member)][-1]
+        done = all(member.generation.finished for member in state.members)
+        if not request.stream:
+            if not done:
+                return []
+            returned = state.members
+            if request.sampling.samples > request.sampling.n:
+                returned = sorted(returned, key=lambda m: m.generation.cumulative_logprob, reverse=True)
+            pieces = tuple(member.last_update for member in returned[: request.sampling.n])
+            return [Update(state, final=True, stats=state.stats, samples=pieces)]
+        count = max(len(updates) for updates in made.values())
+        updates = []
+        for index in range(count):
+            pieces = tuple(_piece(member, made.get(id(member), []), index) for member in state.members)
+            final = done and index == count - 1
+            updates.append(Update(state, final=final, stats=state.stats if final else None, samples=pieces))
+        return updates
+
+    def _updates_for(self, state: RequestState, output: StepOutput) -> list[Update]:
+        """The responses this step produces: one per token where the request streams each token,
+        else at most one."""
+        if state.request.stream and state.request.stream_each_token and output.token_ids:
+            return self._token_updates(state, output)
+        update = self._update_for(state, output)
+        return [] if update is None else [update]
+
+    def _token_updates(self, state: RequestState, output: StepOutput) -> list[Update]:
+        """One response per token of a step, sent together at its end: each with the text that token
+        added (possibly none: part of a character), its logprobs and the cumulative logprob up to it;
+        finish_reason and the request's stats on the last."""
+        generation, request = state.generation, state.request
+        shown = not request.logprobs_hidden and generation.cumulative_logprob is not None
+        own = [position[token].logprob for position, token in zip(output.logprobs or (), output.token_ids)]
+        updates = []
+        for index, text in enumerate(output.token_texts):
+            last = index == len(output.token_ids) - 1
+            cumulative = generation.cumulative_logprob
+            if cumulative is not None and not last:
+                cumulative -= sum(own[index + 1 :])
+            prompt_logprobs = None
+            if not state.prompt_logprobs_sent:
+                prompt_logprobs, state.prompt_logprobs_sent = generation.prompt_logprobs, True
+            final = last and output.finish_reason is not None
+            updates.append(
+                Update(
+                    state,
+                    final=final,
+                    text=text,
+                    num_output_tokens=1,
+                    finish_reason=output.finish_reason if last else None,
+                    stats=generation.stats if final else None,
+                    logprobs=output.logprobs[index : index + 1] if shown and output.logprobs else None,
+                    cumulative_logprob=cumulative,
+                    prompt_logprobs=prompt_logprobs,
+                )
+            )
+        return updates
 
     def _update_for(self, state: RequestState, output: StepOutput) -> Update | None:
         """The response this step produces, if any: streaming sends only steps that made text."""
@@ -420,12 +561,13 @@ class Engine:
         )
 
     def _finish(self, state: RequestState, update: Update) -> None:
-        """Send the request's one final response, free its generation and publish what the global
-        trie learned from it."""
-        if state.generation is not None:
-            state.generation.close()
-            if self.keeper is not None:
-                self.keeper.learned_from(state.generation)
+        """Send the request's one final response, free its generations and publish what the global
+        trie learned from them."""
+        for member in state.members:
+            if member.generation is not None:
+                member.generation.close()
+                if self.keeper is not None:
+                    self.keeper.learned_from(member.generation)
         state.finish_time = time.monotonic()
         if state in self.active:
             self.active.remove(state)
@@ -433,3 +575,24 @@ class Engine:
         trie = self.decoder.trie
         if trie is not None and self.on_trie_size is not None:
             self.on_trie_size(trie.node_count, trie.byte_estimate)
+
+
+def _running(state: RequestState) -> list[RequestState]:
+    """The request's samples still generating (itself, unless it has several)."""
+    return [m for m in state.members if m.generation is not None and not m.generation.finished]
+
+
+def _piece(member: RequestState, updates: list[Update], index: int) -> Update:
+    """A sample's part of a response: its index-th update of the step, else nothing new (no text,
+    no tokens; its finish reason once it finished: every sample is in every response, as in vLLM)."""
+    if index < len(updates):
+        return updates[index]
+    generation = member.generation
+    shown = not member.request.logprobs_hidden and generation.cumulative_logprob is not None
+    return Update(
+        member,
+        final=False,
+        finish_reason=generation.finish_reason,
+        logprobs=[] if shown else None,
+        cumulative_logprob=generation.cumulative_logprob,
+    )

@@ -22,20 +22,23 @@ from typing import Any
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from lookahead.models.checks import check_tree_attention
+from lookahead.models.checks import UnsupportedModelError, check_tree_attention
+from lookahead.models.embedded import EmbeddedModelError
 from lookahead.models.loading import LoadedModel, freeze_loaded_objects, load_model
+from lookahead.models.prompt_bytes import prompt_byte_limit
 from lookahead.runtime.decoder import LookaheadDecoder
 from lookahead.state.keeper import TrieKeeper
 from lookahead.state.persistence import claim_snapshot, load_snapshot
-from lookahead.state.sync import TrieSync, redacted, stream_key
+from lookahead.state.sync import TrieSync, entry_token_bound, redacted, stream_key
 from lookahead.state.warmup import warm_up
 
 from .config import BackendConfig
 from .drain import DrainableLog, watch_drain
-from .engine import Engine, FailureCode, RequestState, Update
+from .engine import SHUTDOWN_MESSAGE, Engine, FailureCode, RequestState, Update
+from .grammars import GrammarStage
 from .metrics import LookaheadMetrics, MetricWriter, instance_labels
 from .orphan import exit_when_orphaned
-from .request import RequestError, RequestLimits, parse_request, prompt_byte_limit
+from .request import RequestError, RequestLimits, json_options, parse_request
 from .responses import ResponseLoop
 from .vllm_metrics import VllmMetrics
 
@@ -73,11 +76,18 @@ OUTPUTS = [
 ]
 
 
+# What makes a model unservable (a bad file or folder, an architecture that cannot verify trees,
+# wheels that cannot be installed): the load fails with its message, not a traceback.
+MODEL_ERRORS = (ValueError, OSError, UnsupportedModelError, EmbeddedModelError)
 MAX_LOGGED_ID_CHARS = 128
 ORPHAN_STOP_S = 30.0  # how long an orphaned stub waits for its engine's last step and snapshot
 DRAIN_WAIT_S = 20.0  # how long a drain waits for the engine's last step and snapshot, then the sends
 FINALIZE_SENDS_S = 5.0  # how long finalize after a drain waits for the response thread
 SERVER_STOPPING = "the server is shutting down; the request was not completed"
+
+
+def one_line(error: BaseException) -> str:
+    return " ".join(str(error).split()) or type(error).__name__
 
 
 def log_id(request_id: str | None) -> str:
@@ -102,11 +112,7 @@ class TritonInputs:
             raw = self.request.parameters()
         except UnicodeDecodeError:
             raise RequestError("request parameters are not valid UTF-8") from None
-        try:
-            parameters = json.loads(raw) if raw else {}
-        except (json.JSONDecodeError, RecursionError) as error:
-            raise RequestError(f"request parameters are not valid JSON: {error}") from None
-        return parameters if isinstance(parameters, dict) else {}
+        return json_options("request parameters", raw) if raw else {}
 
 
 class TritonPythonModel:
@@ -144,7 +150,12 @@ class TritonPythonModel:
         # forward of the engine thread wake sleeping workers (on 2 cores, a third slower).
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="lookahead-load") as loader:
             loading = loader.submit(self._load, config, args["model_instance_name"])
-            loaded, keeper, decoder = loading.result()
+            try:
+                loaded, keeper, decoder = loading.result()
+            except MODEL_ERRORS as error:  # a model that cannot be served: one line says why
+                message = f"{args['model_instance_name']}: cannot serve {config.model!r}: {one_line(error)}"
+                self.logger.log_error(message)
+                raise pb_utils.TritonModelException(message) from None
         self.model_name = args["model_name"]
         self.tokenize, self.detokenize = loaded.tokenizer.encode, loaded.tokenizer.decode
         if config.linear_kernel == "auto" and loaded.linear_kernel == "stock" and config.device == "cpu":
@@ -161,6 +172,7 @@ class TritonPythonModel:
             context_length=decoder.context_length,
             vocab_size=loaded.vocab_size,
             acceptance_outputs=config.acceptance_outputs,
+            stream_each_token=config.stream_each_token,
         )
 
         self.metrics = self.vllm_metrics = self.metric_writer = None
@@ -194,9 +206,14 @@ class TritonPythonModel:
             queue_timeout_s=config.queue_timeout_s,
             on_step=self.vllm_metrics.step if self.vllm_metrics else None,
         )
+        self.grammars = decoder.grammars
+        self.grammar_stage = GrammarStage(
+            decoder.grammars, self.engine.submit, self.responses.put, self.logger, config.max_queued_requests
+        )
         freeze_loaded_objects()
         self.responses.start()
         self.engine.start()
+        self.grammar_stage.start()
         exit_when_orphaned(self._on_orphaned)
         self.drain_watch = watch_drain(self._drain)
         self.logger.log_info(
@@ -235,8 +252,23 @@ class TritonPythonModel:
                 )
                 continue
             self.responses.watch(state)
-            self.engine.submit(state)
+            self._submit(state)
         return None
+
+    def _submit(self, state: RequestState) -> None:
+        """To the engine, with its constraint compiled; one not compiled yet waits for the grammar
+        stage (never on this thread, which every new request of the model needs)."""
+        spec = state.request.sampling.structured_outputs
+        if spec is not None:
+            try:
+                state.grammar = self.grammars.cached(spec)
+            except ValueError as error:  # refused meanwhile
+                self.responses.put(Update.failed(state, FailureCode.INVALID_ARG, str(error)))
+                return
+            if state.grammar is None:
+                self.grammar_stage.put(state)
+                return
+        self.engine.submit(state)
 
     def is_ready(self) -> bool:
         """Model readiness (python_backend r26.03+ asks it for v2/models/<name>/ready): false once
@@ -253,18 +285,24 @@ class TritonPythonModel:
             return False
 
     def _on_unload(self) -> None:
+        self.grammar_stage.close(SHUTDOWN_MESSAGE)
         self.engine.unload()
 
     def _on_orphaned(self) -> None:
         """The server exited without finalize(): end the requests (nobody can answer them now) and
-        write the last snapshot before the process ends."""
+        write the last snapshot before the process ends; the last instance to go removes the drain
+        folder its launcher (gone too, or it would have drained us) leaves behind."""
+        self.grammar_stage.close(SHUTDOWN_MESSAGE)
         self.engine.unload()
         self.engine.stop(timeout_s=ORPHAN_STOP_S)
+        if self.drain_watch is not None:
+            self.drain_watch.leave()
 
     def _drain(self) -> None:
         """The launcher stops the server: end every request with a final response and save the
         snapshot now, while the server still relays responses (once signalled it no longer does)."""
         self.logger.log_info(f"{self.model_name}: the server is shutting down; draining")
+        self.grammar_stage.close(SERVER_STOPPING, DRAIN_WAIT_S)
         if not self.engine.unload(SERVER_STOPPING).wait(DRAIN_WAIT_S):
             self.logger.log_error(f"{self.model_name}: the engine did not drain within {DRAIN_WAIT_S:g} s")
         sent = threading.Event()
@@ -295,6 +333,7 @@ class TritonPythonModel:
         """Stop the engine (it answers what is left and takes a last snapshot), then the senders."""
         if self.drain_watch is not None:
             self.drain_watch.stop()
+        self.grammar_stage.close(SHUTDOWN_MESSAGE, FINALIZE_SENDS_S)
         self.engine.stop()
         # After a drain a send (a request that came since) may block: the thread is a daemon.
         self.responses.stop(timeout_s=FINALIZE_SENDS_S if self.drained else None)
@@ -376,7 +415,7 @@ class TritonPythonModel:
             config.trie_sync,
             key,
             vocab_size=decoder.vocab_size,
-            max_tokens=config.max_prompt_tokens + config.max_output_tokens,
+            max_tokens=entry_token_bound(decoder.context_length),
             max_entries=config.trie_sync_max_entries,
             log=self.logger,
             on_count=self.metrics.trie_sync_counted if self.metrics else None,

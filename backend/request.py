@@ -15,10 +15,18 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from lookahead.config import MAX_STOP_WORDS, LookaheadConfig, SamplingParams
-from lookahead.contract import LOOKAHEAD_OVERRIDES
+from lookahead.config import MAX_STOP_WORDS, LookaheadConfig, SamplingParams, shown
+from lookahead.contract import LOOKAHEAD_OVERRIDES, STREAM_EACH_TOKEN
 
-from .sampling_keys import sampling_fields, to_bool, to_int, to_str
+from .sampling_keys import (
+    dotted,
+    lone_surrogate,
+    sampling_fields,
+    surrogate_message,
+    to_bool,
+    to_int,
+    to_str,
+)
 
 # The vLLM backend's words, which its clients match.
 STREAMING_ECHO_ERROR = (
@@ -80,6 +88,7 @@ class RequestLimits:
     context_length: int | None = None
     vocab_size: int | None = None  # prompt token ids must be below it (the embedding's rows)
     acceptance_outputs: bool = True  # false: return_perf_metrics is refused
+    stream_each_token: bool = False  # the default of the request key of that name
 
 
 @dataclass(frozen=True)
@@ -96,8 +105,10 @@ class GenerationRequest:
     return_num_input_tokens: bool = False
     return_num_output_tokens: bool = False
     return_perf_metrics: bool = False
-    # The request asked for no logprobs: they are computed (logprobs=0) for its cumulative_logprob only.
+    # The request asked for no logprobs: they are computed (logprobs=0) for its cumulative_logprob or
+    # to rank its best_of samples only.
     logprobs_hidden: bool = False
+    stream_each_token: bool = False  # streaming: one response per token, not per step
 
 
 def parse_request(
@@ -128,6 +139,12 @@ def parse_request(
     except ValueError as error:
         raise RequestError(str(error)) from None
     lookahead = _lookahead_config(options, limits.lookahead)
+    each_token = limits.stream_each_token
+    if options.get(STREAM_EACH_TOKEN) is not None:
+        try:
+            each_token = to_bool(STREAM_EACH_TOKEN, options[STREAM_EACH_TOKEN])
+        except ValueError as error:
+            raise RequestError(str(error)) from None
 
     if limits.max_prompt_bytes is not None and len(prompt) * 4 > limits.max_prompt_bytes:
         size = len(prompt.encode("utf-8"))
@@ -151,7 +168,15 @@ def parse_request(
     limit = limits.max_prompt_tokens
     if len(prompt_ids) > limit:
         raise RequestError(f"text_input has {len(prompt_ids)} tokens, more than max_prompt_tokens ({limit})")
-    hidden = bool(flags["return_cumulative_logprob"]) and fields.get("logprobs") is None
+    ranked = isinstance(fields.get("best_of"), int) and fields["best_of"] > fields.get("n", 1)
+    if ranked and stream:
+        raise RequestError(
+            f"best_of ({fields['best_of']}) above n ({fields.get('n', 1)}) returns the best samples once "
+            "all are done: it cannot stream"
+        )
+    # Logprobs the request did not ask for are still computed for its cumulative_logprob, or to rank
+    # its best_of samples.
+    hidden = (bool(flags["return_cumulative_logprob"]) or ranked) and fields.get("logprobs") is None
     if hidden:
         fields["logprobs"] = 0
     sampling = _sampling_params(fields, limits, len(prompt_ids))
@@ -169,20 +194,9 @@ def parse_request(
         # vLLM's default: the prompt is echoed when not streaming, never when streaming.
         prepend_input=not stream if exclude_input is None else not exclude_input,
         logprobs_hidden=hidden,
+        stream_each_token=each_token,
         **{name: bool(flags[name]) for name in _FLAGS if name.startswith("return_")},
     )
-
-
-def prompt_byte_limit(tokenizer: Any, max_prompt_tokens: int) -> int:
-    """The most UTF-8 bytes a prompt of max_prompt_tokens tokens can have: the longest token's
-    bytes (its vocabulary string, which spells a byte with at least one), times four for
-    normalizers that shrink text (no Unicode normalization shrinks it more)."""
-    longest = max(
-        len(token.encode("utf-8"))
-        for token in tokenizer.convert_ids_to_tokens(range(len(tokenizer)))
-        if token
-    )
-    return 4 * max_prompt_tokens * longest
 
 
 def _single(inputs: RequestInputs, name: str) -> Any | None:
@@ -230,14 +244,23 @@ def _sampling_options(inputs: RequestInputs) -> Mapping[str, Any]:
         raise RequestError("sampling_parameters must be a STRING (BYTES) tensor holding a JSON object")
     if not raw.strip():
         return {}
+    return json_options("sampling_parameters", raw)
+
+
+def json_options(name: str, raw: str) -> dict[str, Any]:
+    """The JSON object `raw`; RequestError naming `name` for anything else, for JSON nested too
+    deeply, numbers too long for Python and lone surrogates."""
     try:
         options = json.loads(raw)
-    except json.JSONDecodeError as error:
-        raise RequestError(f"sampling_parameters is not valid JSON: {error}") from None
     except RecursionError:
-        raise RequestError("sampling_parameters is nested too deeply") from None
+        raise RequestError(f"{name} is nested too deeply") from None
+    except ValueError as error:  # not JSON, or an integer of more than 4300 digits
+        raise RequestError(f"{name} is not valid JSON: {error}") from None
     if not isinstance(options, dict):
-        raise RequestError(f"sampling_parameters must be a JSON object, got {type(options).__name__}")
+        raise RequestError(f"{name} must be a JSON object, got {type(options).__name__}")
+    where = lone_surrogate(options)
+    if where is not None:
+        raise RequestError(surrogate_message(name + dotted(where)))
     return options
 
 
@@ -288,7 +311,7 @@ def _to_stop_words(name: str, value: Any) -> tuple[int | str, ...]:
         for w in words
     ):
         return tuple(words)
-    raise RequestError(f"{name} must be a list of strings and token ids, got {value!r}")
+    raise RequestError(f"{name} must be a list of strings and token ids, got {shown(value)}")
 
 
 _OVERRIDES: dict[str, Callable[[str, Any], Any]] = {

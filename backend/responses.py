@@ -34,35 +34,33 @@ SERVED_POLL_S = (
 
 
 def build_response(update: Update) -> pb_utils.InferenceResponse:
-    """The Triton response for one update; outputs the client did not ask for are left out."""
+    """The Triton response for one update; outputs the client did not ask for are left out. Each
+    per-sample output holds one element per returned sample (one, unless the request asked for n)."""
     if update.failure is not None:
         return error_response(update.failure.value, update.message)
-    request = update.state.request
-    tensors = [pb_utils.Tensor("text_output", np.array([update.text.encode("utf-8")], dtype=np.object_))]
+    request, pieces = update.state.request, update.pieces
+
+    def strings(values: list[str]) -> np.ndarray:
+        return np.array([value.encode("utf-8") for value in values], dtype=np.object_)
+
+    tensors = [pb_utils.Tensor("text_output", strings([piece.text for piece in pieces]))]
     if request.return_finish_reason:  # as the vLLM backend sends it: "None" until the final response
-        reason = str(update.finish_reason).encode()
-        tensors.append(pb_utils.Tensor("finish_reason", np.array([reason], dtype=np.object_)))
+        tensors.append(pb_utils.Tensor("finish_reason", strings([str(p.finish_reason) for p in pieces])))
     if request.return_cumulative_logprob:
-        value = math.nan if update.cumulative_logprob is None else update.cumulative_logprob
-        tensors.append(pb_utils.Tensor("cumulative_logprob", np.array([value], dtype=np.float32)))
+        values = [math.nan if p.cumulative_logprob is None else p.cumulative_logprob for p in pieces]
+        tensors.append(pb_utils.Tensor("cumulative_logprob", np.array(values, dtype=np.float32)))
     if request.return_logprobs:
-        tensors.append(
-            pb_utils.Tensor("logprobs", np.array([vllm_json(update.logprobs).encode()], dtype=np.object_))
-        )
-    if update.prompt_logprobs is not None:
-        tensors.append(
-            pb_utils.Tensor(
-                "prompt_logprobs", np.array([vllm_json(update.prompt_logprobs).encode()], dtype=np.object_)
-            )
-        )
+        tensors.append(pb_utils.Tensor("logprobs", strings([vllm_json(p.logprobs) for p in pieces])))
+    prompt_logprobs = next((p.prompt_logprobs for p in pieces if p.prompt_logprobs is not None), None)
+    if prompt_logprobs is not None:
+        tensors.append(pb_utils.Tensor("prompt_logprobs", strings([vllm_json(prompt_logprobs)])))
     if request.return_num_input_tokens:
         tensors.append(
             pb_utils.Tensor("num_input_tokens", np.array([len(request.prompt_ids)], dtype=np.uint32))
         )
     if request.return_num_output_tokens:
-        tensors.append(
-            pb_utils.Tensor("num_output_tokens", np.array([update.num_output_tokens], dtype=np.uint32))
-        )
+        counts = np.array([piece.num_output_tokens for piece in pieces], dtype=np.uint32)
+        tensors.append(pb_utils.Tensor("num_output_tokens", counts))
     if request.return_perf_metrics and update.final and update.stats is not None:
         stats = update.stats
         tensors += [

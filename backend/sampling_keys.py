@@ -3,7 +3,7 @@
 Clients written for vLLM's backend (the OpenAI frontend, genai-perf, tritonclient scripts) send
 the whole vLLM vocabulary, often as strings ("0.7", "false"). Every key vLLM knows is either
 supported with vLLM's meaning, or accepted only while it holds the value that changes nothing
-(the OpenAI frontend sends `n: 1`, `logprobs: false`, `best_of: 1`...) and refused with
+(the OpenAI frontend sends `logprobs: false`, `use_beam_search: false`...) and refused with
 INVALID_ARG naming it otherwise. Keys no vLLM version knows are ignored, as vLLM's backend
 ignores them. The list was read off vLLM's `vllm/sampling_params.py` across its releases (0.4
 to 0.11+), plus `lora_name` from Triton's TritonSamplingParams.
@@ -15,14 +15,21 @@ import json
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from lookahead.config import STRUCTURED_KINDS, StructuredOutputs
+from lookahead.config import (
+    MAX_STOP_STRINGS,
+    MAX_TOKEN_ID_LIST,
+    STRUCTURED_KINDS,
+    StructuredOutputs,
+    shown,
+)
+from lookahead.contract import dotted, lone_surrogate, surrogate_message
 
 NO_EFFECT = object()  # an accepted-at-default key whose every value is accepted: vLLM ignores it too
 
 
 def to_int(name: str, value: Any) -> int:
     if isinstance(value, bool):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
+        raise ValueError(f"{name} must be an integer, got {shown(value)}")
     if isinstance(value, int):
         return value
     if isinstance(value, float) and value.is_integer():
@@ -39,7 +46,7 @@ def to_int(name: str, value: Any) -> int:
             else:
                 if number.is_integer():
                     return int(number)
-    raise ValueError(f"{name} must be an integer, got {value!r}")
+    raise ValueError(f"{name} must be an integer, got {shown(value)}")
 
 
 def to_float(name: str, value: Any) -> float:
@@ -50,7 +57,7 @@ def to_float(name: str, value: Any) -> float:
             return float(value.strip())
         except ValueError:
             pass
-    raise ValueError(f"{name} must be a number, got {value!r}")
+    raise ValueError(f"{name} must be a number, got {shown(value)}")
 
 
 def to_bool(name: str, value: Any) -> bool:
@@ -61,36 +68,42 @@ def to_bool(name: str, value: Any) -> bool:
         return bool(value)
     if isinstance(value, str) and value.strip().lower() in ("true", "false", "1", "0"):
         return value.strip().lower() in ("true", "1")
-    raise ValueError(f"{name} must be true or false, got {value!r}")
+    raise ValueError(f"{name} must be true or false, got {shown(value)}")
 
 
 def to_str(name: str, value: Any) -> str:
     if isinstance(value, str):
         return value
-    raise ValueError(f"{name} must be a string, got {value!r}")
+    raise ValueError(f"{name} must be a string, got {shown(value)}")
 
 
 def to_stop(name: str, value: Any) -> tuple[str, ...]:
     if isinstance(value, str):
         return (value,)
+    if isinstance(value, list) and len(value) > MAX_STOP_STRINGS:  # before looking at each
+        raise ValueError(f"{name} may hold at most {MAX_STOP_STRINGS} strings, got {len(value)}")
     if isinstance(value, list) and all(isinstance(item, str) for item in value):
         return tuple(value)
-    raise ValueError(f"{name} must be a string or a list of strings, got {value!r}")
+    raise ValueError(f"{name} must be a string or a list of strings, got {shown(value)}")
 
 
 def to_token_ids(name: str, value: Any) -> tuple[int, ...]:
-    value = _json(value)
+    value = _json(name, value)
     if isinstance(value, int) and not isinstance(value, bool):
         value = [value]
     if not isinstance(value, list):
-        raise ValueError(f"{name} must be a list of token ids, got {value!r}")
+        raise ValueError(f"{name} must be a list of token ids, got {shown(value)}")
+    if len(value) > MAX_TOKEN_ID_LIST:
+        raise ValueError(f"{name} may hold at most {MAX_TOKEN_ID_LIST} ids, got {len(value)}")
     return tuple(to_int(name, item) for item in value)
 
 
 def to_logit_bias(name: str, value: Any) -> dict[int, float]:
-    value = _json(value)
+    value = _json(name, value)
     if not isinstance(value, dict):
-        raise ValueError(f"{name} must be an object mapping token ids to biases, got {value!r}")
+        raise ValueError(f"{name} must be an object mapping token ids to biases, got {shown(value)}")
+    if len(value) > MAX_TOKEN_ID_LIST:
+        raise ValueError(f"{name} may hold at most {MAX_TOKEN_ID_LIST} entries, got {len(value)}")
     return {
         to_int(f"{name} token id", token): to_float(f"{name} value", bias) for token, bias in value.items()
     }
@@ -105,17 +118,27 @@ def to_logprobs(name: str, value: Any) -> int | None:
 
 def as_json(name: str, value: Any) -> Any:
     """A list or object, also when it arrived as its JSON text."""
-    return _json(value)
+    return _json(name, value)
 
 
-def _json(value: Any) -> Any:
-    """A list or object that arrived as its JSON text."""
-    if isinstance(value, str):
-        try:
-            return json.loads(value)
-        except json.JSONDecodeError:
-            return value
-    return value
+def _json(name: str, value: Any) -> Any:
+    """A list or object that arrived as its JSON text (a string that is not JSON stays a string);
+    ValueError naming `name` for JSON text nested too deeply, holding a number too long for Python
+    or a lone surrogate."""
+    if not isinstance(value, str):
+        return value
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError:
+        return value
+    except RecursionError:
+        raise ValueError(f"{name} is JSON text nested too deeply") from None
+    except ValueError as error:  # e.g. an integer of more than 4300 digits
+        raise ValueError(f"{name} is JSON text Python cannot read: {error}") from None
+    where = lone_surrogate(parsed)
+    if where is not None:
+        raise ValueError(surrogate_message(name + dotted(where)))
+    return parsed
 
 
 # vLLM key -> (SamplingParams field, converter)
@@ -138,14 +161,14 @@ SUPPORTED: dict[str, tuple[str, Callable[[str, Any], Any]]] = {
     "skip_special_tokens": ("skip_special_tokens", to_bool),
     "logprobs": ("logprobs", to_logprobs),
     "prompt_logprobs": ("prompt_logprobs", to_logprobs),
+    "n": ("n", to_int),
+    "best_of": ("best_of", to_int),
 }
 
 # Known to vLLM, not implemented here: key -> (converter, the values that change nothing). A
 # value equal to one of those is accepted; any other is refused. NO_EFFECT: any value (vLLM's
 # own sampler ignores it, or it only tunes vLLM's engine).
 ACCEPTED_AT_DEFAULT: dict[str, tuple[Callable[[str, Any], Any], Any]] = {
-    "n": (to_int, (1,)),
-    "best_of": (to_int, (1,)),
     "use_beam_search": (to_bool, (False,)),
     "length_penalty": (to_float, (1.0,)),
     "early_stopping": (to_bool, (False,)),
@@ -192,16 +215,16 @@ GUIDED_NEUTRAL = ("guided_decoding_backend", "guided_whitespace_pattern")
 
 def to_structured(name: str, value: Any) -> StructuredOutputs | None:
     """A structured_outputs / guided_decoding object (or its JSON text); None when it sets nothing."""
-    value = _json(value)
+    value = _json(name, value)
     if value == "" or value == {}:
         return None
     if not isinstance(value, dict):
         raise ValueError(
-            f"{name} must be an object setting one of {', '.join(STRUCTURED_KINDS)}, got {value!r}"
+            f"{name} must be an object setting one of {', '.join(STRUCTURED_KINDS)}, got {shown(value)}"
         )
     for key, neutral in STRUCTURED_NEUTRAL.items():
         if value.get(key) is not None and neutral is not NO_EFFECT and value[key] not in neutral:
-            raise ValueError(f"{name}.{key}={json.dumps(value[key])} is not supported by this model")
+            raise ValueError(f"{name}.{key}={shown(value[key], as_json=True)} is not supported by this model")
     kinds = [kind for kind in STRUCTURED_KINDS if value.get(kind) not in (None, False)]
     if len(kinds) != 1:
         raise ValueError(
@@ -216,24 +239,24 @@ def to_structured(name: str, value: Any) -> StructuredOutputs | None:
 def _constraint(key: str, kind: str, value: Any, name: str, any_whitespace: bool = True) -> StructuredOutputs:
     """One constraint's source, checked for its type; `name` names it in messages."""
     if kind == "json":
-        schema = _json(value)
+        schema = _json(name, value)
         if isinstance(schema, bool):  # JSON Schema's true (anything) and false (nothing)
             schema = {} if schema else {"not": {}}
         if not isinstance(schema, dict):
-            raise ValueError(f"{name} must be a JSON schema (an object, or its JSON text), got {value!r}")
+            raise ValueError(f"{name} must be a JSON schema (an object or its JSON text), got {shown(value)}")
         text = json.dumps(schema)  # property order is the output's order
     elif kind == "choice":
-        choices = _json(value)
+        choices = _json(name, value)
         if not isinstance(choices, list) or not choices or not all(isinstance(c, str) for c in choices):
-            raise ValueError(f"{name} must be a non-empty list of strings, got {value!r}")
+            raise ValueError(f"{name} must be a non-empty list of strings, got {shown(value)}")
         text = json.dumps(choices)
     elif kind == "json_object":
         if not to_bool(name, value):
-            raise ValueError(f"{name} must be true, got {value!r}")
+            raise ValueError(f"{name} must be true, got {shown(value)}")
         text = ""
     else:
         if not isinstance(value, str) or not value.strip():
-            raise ValueError(f"{name} must be a non-empty string, got {value!r}")
+            raise ValueError(f"{name} must be a non-empty string, got {shown(value)}")
         text = value
     return StructuredOutputs(kind, text, any_whitespace, key=key)
 
@@ -281,7 +304,7 @@ def sampling_fields(options: Mapping[str, Any]) -> tuple[dict[str, Any], int | N
             convert, neutral = ACCEPTED_AT_DEFAULT[key]
             if neutral is not NO_EFFECT and convert(key, value) not in neutral:
                 raise ValueError(
-                    f"{key}={json.dumps(value)} is not supported by this model "
+                    f"{key}={shown(value, as_json=True)} is not supported by this model "
                     f"(it accepts {key} only as {' or '.join(json.dumps(v) for v in neutral)})"
                 )
         elif key == TRUNCATE:

@@ -20,7 +20,6 @@ TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
 TPOT_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5]
 E2E_BUCKETS = [1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0]
 N_BUCKETS = [1, 2, 5, 10, 20]
-N = 1  # the `n` of every request: more than one output per prompt is refused
 
 COUNTERS = {
     "prompt_tokens": ("vllm:prompt_tokens_total", "Number of prefill tokens processed."),
@@ -79,7 +78,8 @@ def final_observations(update: Update) -> tuple[dict[str, int], list[tuple[str, 
         "draft_tokens": stats.draft_tokens,
         "accepted_tokens": stats.accepted_draft_tokens,
     }
-    observed: list[tuple[str, float]] = [("request_params_n", N)]
+    request = update.state.request
+    observed: list[tuple[str, float]] = [("request_params_n", request.sampling.n if request else 1)]
     if record.e2e_latency_s is None:  # failed or cancelled: vLLM counts finished requests only
         return counters, observed
     observed += [

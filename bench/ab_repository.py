@@ -19,14 +19,15 @@ import subprocess
 from collections.abc import Sequence
 from pathlib import Path
 
+from lookahead import cache_dirs
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
-CACHE = REPO_ROOT / ".cache"
 # What a server's environment needs so that the other revision's models find this checkout's
 # caches (the load test passes whichever of them the environment does not set).
 SHARED_CACHE_ENV = {
-    "LOOKAHEAD_CACHE_DIR": str(CACHE / "models"),
-    "LOOKAHEAD_KERNEL_DIR": str(CACHE / "kernels"),
-    "LOOKAHEAD_PACKED_DIR": str(CACHE / "packed"),
+    cache_dirs.MODELS_ENV: str(cache_dirs.models_dir()),
+    cache_dirs.KERNELS_ENV: str(cache_dirs.kernels_dir()),
+    cache_dirs.PACKED_ENV: str(cache_dirs.packed_dir()),
 }
 
 

@@ -3,10 +3,10 @@
 For every prompt set: transformers greedy `generate`, transformers prompt lookup decoding
 (`prompt_lookup_num_tokens=10`), then LookaheadDecoder in `hier` and `one` modes. Each prompt
 goes through every method in turn, in an order rotating from prompt to prompt, so that the
-machine's drift (10-20% over minutes on a shared VM) and the caches one method leaves to the
-next hit all methods alike. Each Lookahead mode gets a fresh global trie (and a fresh decoder,
-whose cost model learns online), so every mode starts from the same state; HumanEval's trie is
-warmed with its disjoint warm-up half first. Within a set the global trie keeps learning from
+machine's drift over minutes and the caches one method leaves to the next hit all methods alike.
+Each Lookahead mode gets a fresh global trie (and a fresh decoder, whose cost model learns
+online), so every mode starts from the same state; HumanEval's trie is warmed with its disjoint
+warm-up half first. Within a set the global trie keeps learning from
 every output, as it does when serving.
 
 Every output must be token-identical to plain greedy (all methods are lossless); a mismatch is

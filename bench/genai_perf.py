@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.report import figure, write_csv
+from bench.report import figure, markdown_table, write_csv
 from bench.servers import (
     MODELS,
     REPO_ROOT,
@@ -100,11 +100,11 @@ def failed_requests(raw_export: dict[str, Any]) -> int:
 
 
 def served_tokenizer(model_repository: Path, model: str) -> Path:
-    """The local folder holding the tokenizer `model` serves with (its converted embedded model or
-    the folder named by its config.pbtxt `model` parameter, or by $LOOKAHEAD_MODEL, which replaces
-    it in the server as well)."""
+    """The local folder holding the tokenizer `model` serves with (converted from its embedded model
+    or GGUF file, or the folder named by its config.pbtxt `model` parameter, or by $LOOKAHEAD_MODEL,
+    which replaces it in the server as well)."""
     from lookahead.contract import MODEL_ENV
-    from lookahead.models.loading import resolve_model_path
+    from lookahead.models.loading import tokenizer_folder
 
     name = os.environ.get(MODEL_ENV, "").strip()
     if not name:
@@ -116,7 +116,7 @@ def served_tokenizer(model_repository: Path, model: str) -> Path:
     path = Path(name).expanduser()
     if not path.is_absolute() and (model_repository / path).is_dir():
         path = model_repository / path
-    return resolve_model_path(str(path) if path.is_dir() else name)
+    return tokenizer_folder(str(path) if path.is_dir() else name)
 
 
 def perf_analyzer_shim(folder: Path, perf_analyzer: Path) -> Path:
@@ -238,17 +238,31 @@ def endpoint_url(args: argparse.Namespace) -> Iterator[str]:
 
 def format_table(points: Sequence[GenaiPerfPoint]) -> str:
     header = (
-        "| model | concurrency | requests | output tokens/s | TTFT avg (ms) | TTFT p99 (ms) "
-        "| inter-token latency avg (ms) | inter-token latency p99 (ms) | requests/s |"
+        "model",
+        "concurrency",
+        "requests",
+        "output tokens/s",
+        "TTFT avg (ms)",
+        "TTFT p99 (ms)",
+        "inter-token latency avg (ms)",
+        "inter-token latency p99 (ms)",
+        "requests/s",
     )
-    lines = [header, "|---" * 9 + "|"]
-    for p in points:
-        lines.append(
-            f"| {p.model} | {p.concurrency} | {p.requests} | {p.output_tokens_per_second:.1f} "
-            f"| {p.ttft_avg_ms:.0f} | {p.ttft_p99_ms:.0f} | {p.inter_token_latency_avg_ms:.1f} "
-            f"| {p.inter_token_latency_p99_ms:.1f} | {p.requests_per_second:.2f} |"
+    rows = [
+        (
+            p.model,
+            p.concurrency,
+            p.requests,
+            f"{p.output_tokens_per_second:.1f}",
+            f"{p.ttft_avg_ms:.0f}",
+            f"{p.ttft_p99_ms:.0f}",
+            f"{p.inter_token_latency_avg_ms:.1f}",
+            f"{p.inter_token_latency_p99_ms:.1f}",
+            f"{p.requests_per_second:.2f}",
         )
-    return "\n".join(lines)
+        for p in points
+    ]
+    return markdown_table(header, rows)
 
 
 def plot(points: Sequence[GenaiPerfPoint], path: Path, title: str) -> None:

@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 
 from bench.prompt_sets import PROMPT_SET_NAMES, load_prompt_set
-from bench.report import figure, write_csv
+from bench.report import figure, markdown_table, write_csv
 from bench.servers import (
     MODELS,
     REPO_ROOT,
@@ -257,20 +257,34 @@ def _read_export(path: Path) -> dict[str, Any] | None:
 
 
 def format_table(points: Sequence[LoadPoint]) -> str:
-    """A Markdown table, readable as plain text too."""
     header = (
-        "| model | concurrency | requests | requests/s | output tokens/s "
-        "| latency p50 (ms) | latency p99 (ms) | TTFT p50 (ms) | TTFT p99 (ms) "
-        "| TTFT p99 after the opening burst (ms) |"
+        "model",
+        "concurrency",
+        "requests",
+        "requests/s",
+        "output tokens/s",
+        "latency p50 (ms)",
+        "latency p99 (ms)",
+        "TTFT p50 (ms)",
+        "TTFT p99 (ms)",
+        "TTFT p99 after the opening burst (ms)",
     )
-    lines = [header, "|---" * 10 + "|"]
-    for p in points:
-        lines.append(
-            f"| {p.model} | {p.concurrency} | {p.requests} | {p.requests_per_second:.2f} "
-            f"| {p.output_tokens_per_second:.1f} | {p.latency_p50_ms:.0f} | {p.latency_p99_ms:.0f} "
-            f"| {p.ttft_p50_ms:.0f} | {p.ttft_p99_ms:.0f} | {p.ttft_p99_after_burst_ms:.0f} |"
+    rows = [
+        (
+            p.model,
+            p.concurrency,
+            p.requests,
+            f"{p.requests_per_second:.2f}",
+            f"{p.output_tokens_per_second:.1f}",
+            f"{p.latency_p50_ms:.0f}",
+            f"{p.latency_p99_ms:.0f}",
+            f"{p.ttft_p50_ms:.0f}",
+            f"{p.ttft_p99_ms:.0f}",
+            f"{p.ttft_p99_after_burst_ms:.0f}",
         )
-    return "\n".join(lines)
+        for p in points
+    ]
+    return markdown_table(header, rows)
 
 
 def plot(points: Sequence[LoadPoint], path: Path, title: str) -> None:

@@ -23,7 +23,7 @@ import argparse
 from collections import defaultdict
 from collections.abc import Sequence
 
-from lookahead.algorithm.planner import STOCK_CPU_PRIOR
+from lookahead.algorithm.cost_priors import STOCK_CPU_PRIOR
 from lookahead.config import DecoderConfig, LookaheadConfig, SamplingParams
 from lookahead.models.chat import chat_prompt
 from lookahead.models.embedded import DEFAULT_MODEL

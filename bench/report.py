@@ -1,13 +1,20 @@
-"""What a benchmark writes besides its table: CSV rows and figures (matplotlib, no display)."""
+"""What a benchmark writes: Markdown tables, CSV rows, figures (matplotlib, no display)."""
 
 from __future__ import annotations
 
 import csv
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any
+
+
+def markdown_table(header: Sequence[str], rows: Iterable[Sequence[object]]) -> str:
+    """A Markdown table, readable as plain text too: the cells as they are formatted."""
+    lines = ["| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
+    lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
+    return "\n".join(lines)
 
 
 def write_csv(points: Sequence[Any], row_type: type, path: Path) -> None:

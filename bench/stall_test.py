@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.prompt_sets import load_prompt_set
+from bench.report import markdown_table
 from bench.servers import add_server_arguments, server_url
 from client.api import LookaheadClient
 
@@ -78,17 +79,26 @@ def measure(url: str, model: str, args: argparse.Namespace) -> StallPoint:
 
 
 def format_table(points: Sequence[StallPoint]) -> str:
-    lines = [
-        "| model | long prompt (tokens) | stream's median gap (ms) | longest gap while it is read (ms) "
-        "| longest / median | long prompt answered after (s) |",
-        "|---" * 6 + "|",
-    ]
-    for p in points:
-        lines.append(
-            f"| {p.model} | {p.long_prompt_tokens} | {p.median_gap_ms:.0f} | {p.longest_gap_ms:.0f} "
-            f"| {p.longest_gap_ms / p.median_gap_ms:.1f} | {p.long_prompt_seconds:.1f} |"
+    header = (
+        "model",
+        "long prompt (tokens)",
+        "stream's median gap (ms)",
+        "longest gap while it is read (ms)",
+        "longest / median",
+        "long prompt answered after (s)",
+    )
+    rows = [
+        (
+            p.model,
+            p.long_prompt_tokens,
+            f"{p.median_gap_ms:.0f}",
+            f"{p.longest_gap_ms:.0f}",
+            f"{p.longest_gap_ms / p.median_gap_ms:.1f}",
+            f"{p.long_prompt_seconds:.1f}",
         )
-    return "\n".join(lines)
+        for p in points
+    ]
+    return markdown_table(header, rows)
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:

@@ -24,7 +24,7 @@ from pathlib import Path
 from transformers import AutoTokenizer
 
 from bench.json_extraction import json_extraction_prompts, schema_errors
-from bench.report import write_csv
+from bench.report import markdown_table, write_csv
 from bench.servers import add_server_arguments, server_url
 from client.api import Completion, LookaheadClient
 from launcher import TritonServerError
@@ -129,13 +129,19 @@ def summary(runs: Sequence[Run]) -> str:
     base, base_decode = rows[0][3] or 1.0, rows[0][4] or 1.0
     header = ("setting", "requests", "output tokens", "tokens/s (x baseline + grammar)")
     header += ("decoding tokens/s (x)", "tokens/step", "conforming")
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for setting, count, tokens, rate, decode_rate, per_step, valid in rows:
-        lines.append(
-            f"| {setting} | {count} | {tokens} | {rate:.1f} ({rate / base:.2f}x) "
-            f"| {decode_rate:.1f} ({decode_rate / base_decode:.2f}x) | {per_step:.2f} | {valid}/{count} |"
+    table = [
+        (
+            setting,
+            count,
+            tokens,
+            f"{rate:.1f} ({rate / base:.2f}x)",
+            f"{decode_rate:.1f} ({decode_rate / base_decode:.2f}x)",
+            f"{per_step:.2f}",
+            f"{valid}/{count}",
         )
-    return "\n".join(lines)
+        for setting, count, tokens, rate, decode_rate, per_step, valid in rows
+    ]
+    return markdown_table(header, table)
 
 
 def mismatches(runs: Sequence[Run]) -> list[int]:

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import uvicorn
 
 from .app import create_app
+from .edge import Limits, head_timeout_protocol
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -27,9 +28,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
     )
+    parser.add_argument(
+        "--max-body-bytes", type=int, default=Limits.max_body_bytes, help="largest request body (413 beyond)"
+    )
+    parser.add_argument(
+        "--max-concurrent-requests",
+        type=int,
+        default=Limits.max_concurrent_requests,
+        help="completions in flight at once (503 with Retry-After beyond)",
+    )
+    parser.add_argument(
+        "--header-timeout-s",
+        type=float,
+        default=Limits.header_timeout_s,
+        help="seconds a connection may take to send a request's head before it is closed",
+    )
     args = parser.parse_args(argv)
-    app = create_app(args.grpc_url, args.tokenizer)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    limits = Limits(args.max_body_bytes, args.max_concurrent_requests, args.header_timeout_s)
+    app = create_app(args.grpc_url, args.tokenizer, limits)
+    uvicorn.run(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        timeout_graceful_shutdown=5,
+        http=head_timeout_protocol(limits.header_timeout_s),
+    )
     return 0
 
 

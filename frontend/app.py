@@ -11,7 +11,7 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import replace
 from typing import Any, TypeVar
@@ -19,10 +19,12 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ValidationError
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from .edge import Admission, Limits, parse_json, read_body
 from .errors import APIError, from_validation, invalid
 from .models import ServedModels
 from .protocol import ChatCompletionRequest, CompletionRequest
@@ -88,16 +90,17 @@ class Usage:
 
 
 class ChatFormat:
-    """chat.completion objects and their chunks."""
+    """chat.completion objects and their chunks, of the choice `index`."""
 
     id_prefix, whole, chunk = "chatcmpl", "chat.completion", "chat.completion.chunk"
 
-    def __init__(self) -> None:
+    def __init__(self, index: int = 0) -> None:
+        self.index = index
         self.started = False
 
     def choice(self, text: str, logprobs: list[TokenLogprob] | None, finish_reason: str | None) -> dict:
         return {
-            "index": 0,
+            "index": self.index,
             "message": {"role": "assistant", "content": text},
             "logprobs": self.logprobs(logprobs),
             "finish_reason": finish_reason,
@@ -108,7 +111,7 @@ class ChatFormat:
         if not self.started:
             delta["role"], self.started = "assistant", True
         return {
-            "index": 0,
+            "index": self.index,
             "delta": delta,
             "logprobs": self.logprobs(logprobs),
             "finish_reason": finish_reason,
@@ -130,15 +133,22 @@ class ChatFormat:
 
 
 class TextFormat:
-    """text_completion objects (whole and chunks); logprobs with offsets into the whole text."""
+    """text_completion objects (whole and chunks) of the choice `index`; logprobs with offsets into
+    the whole text."""
 
     id_prefix, whole, chunk = "cmpl", "text_completion", "text_completion"
 
-    def __init__(self, offset: int = 0) -> None:
+    def __init__(self, offset: int = 0, index: int = 0) -> None:
         self.offset = offset  # where the next token's text starts in the returned text
+        self.index = index
 
     def choice(self, text: str, logprobs: list[TokenLogprob] | None, finish_reason: str | None) -> dict:
-        return {"index": 0, "text": text, "logprobs": self.logprobs(logprobs), "finish_reason": finish_reason}
+        return {
+            "index": self.index,
+            "text": text,
+            "logprobs": self.logprobs(logprobs),
+            "finish_reason": finish_reason,
+        }
 
     delta = choice
 
@@ -158,10 +168,13 @@ class TextFormat:
 
 
 async def parse(request: Request, schema: type[Body]) -> Body:
-    try:
-        body = await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise invalid(f"the body is not valid JSON: {error}") from None
+    """The body, bounded in size, parsed and validated on a worker thread."""
+    raw = await read_body(request, request.app.state.limits.max_body_bytes)
+    return await asyncio.to_thread(_validated, raw, schema)
+
+
+def _validated(raw: bytes, schema: type[Body]) -> Body:
+    body = parse_json(raw)
     if not isinstance(body, dict):
         raise invalid("the body must be a JSON object")
     try:
@@ -174,8 +187,10 @@ async def chat_completions(request: Request) -> Response:
     body = await parse(request, ChatCompletionRequest)
     models: ServedModels = request.app.state.models
     await models.require(body.model)
-    prompt = await models.chat_prompt(body.model, [m.template_message() for m in body.messages])
-    return await complete(request, body, prompt, ChatFormat(), top_logprobs=body.top_logprobs or 0)
+    messages = [m.template_message() for m in body.messages]
+    await models.check_prompt_size(body.model, sum(len(m["content"].encode()) for m in messages), "messages")
+    prompt = await models.chat_prompt(body.model, messages)
+    return await complete(request, body, prompt, ChatFormat, top_logprobs=body.top_logprobs or 0)
 
 
 async def completions(request: Request) -> Response:
@@ -183,10 +198,19 @@ async def completions(request: Request) -> Response:
     models: ServedModels = request.app.state.models
     await models.require(body.model)
     echo = body.text if body.echo else ""
-    first_token = await models.first_token(body.model, body.text) if body.scores_prompt else None
-    form = TextFormat(0 if first_token is not None else len(echo))  # offsets into the returned text
+    first_token = None
+    if body.scores_prompt:  # the prompt is tokenized here: not beyond what the model would take
+        await models.check_prompt_size(body.model, len(body.text.encode()), "prompt")
+        first_token = await models.first_token(body.model, body.text)
+    offset = 0 if first_token is not None else len(echo)  # logprobs' offsets into the returned text
     return await complete(
-        request, body, body.text, form, top_logprobs=body.logprobs or 0, echo=echo, first_token=first_token
+        request,
+        body,
+        body.text,
+        lambda index: TextFormat(offset, index),
+        top_logprobs=body.logprobs or 0,
+        echo=echo,
+        first_token=first_token,
     )
 
 
@@ -194,44 +218,55 @@ async def complete(
     request: Request,
     body: ChatCompletionRequest | CompletionRequest,
     prompt: str,
-    form: ChatFormat | TextFormat,
+    form: Callable[[int], ChatFormat | TextFormat],
     *,
     top_logprobs: int,
     echo: str = "",
     first_token: str | None = None,
 ) -> Response:
-    """One Triton request for `prompt`, answered whole or as server-sent events. With first_token
-    (the prompt's first token's text), the prompt's tokens and logprobs lead the completion's."""
-    request_id = f"{form.id_prefix}-{uuid.uuid4().hex}"
+    """One Triton request for `prompt`, answered whole or as server-sent events, a choice per
+    sample (`n`; form(i) writes choice i). With first_token (the prompt's first token's text), the
+    prompt's tokens and logprobs lead each choice's."""
+    forms = [form(index) for index in range(body.n or 1)]
+    request_id = f"{forms[0].id_prefix}-{uuid.uuid4().hex}"
     tensors = inputs(prompt, body.sampling_parameters(), stream=body.stream, logprobs=body.wants_logprobs)
     triton: Triton = request.app.state.triton
-    pieces = triton.generate(body.model, tensors, request_id, top_logprobs)
+    responses = triton.generate(body.model, tensors, request_id, top_logprobs)
     header = {"id": request_id, "created": int(time.time()), "model": body.model}
     disconnect = Disconnect(request)
     try:
-        first = await disconnect.race(anext(pieces))
+        first = await disconnect.race(anext(responses))
         if first_token is not None:
-            first = with_prompt_logprobs(first, first_token)
+            first = [with_prompt_logprobs(piece, first_token) for piece in first]
         if body.stream:
-            events = stream(pieces, first, disconnect, header, form, echo, body.include_usage)
+            events = stream(responses, first, disconnect, header, forms, echo, body.include_usage)
             return StreamingResponse(events, media_type="text/event-stream")
-        usage, text, logprobs, piece = Usage(), echo, [], first
+        usage, pieces = Usage(), first
+        texts, logprobs = [echo] * len(forms), [[] for _ in forms]
         while True:
-            usage.add(piece)
-            text += piece.text
-            logprobs += piece.logprobs or []
-            if piece.final:
+            for piece in pieces:
+                usage.add(piece)
+                texts[piece.index] += piece.text
+                logprobs[piece.index] += piece.logprobs or []
+            if pieces[0].final:
                 break
-            piece = await disconnect.race(anext(pieces))
+            pieces = await disconnect.race(anext(responses))
     except ClientGone:
         return Response(status_code=499)  # nobody reads it
     except BaseException:
         disconnect.close()
-        await pieces.aclose()
+        await responses.aclose()
         raise
     disconnect.close()
-    choice = form.choice(text, logprobs if body.wants_logprobs else None, piece.finish_reason or "stop")
-    return JSONResponse({**header, "object": form.whole, "choices": [choice], "usage": usage.json()})
+    choices = [
+        forms[piece.index].choice(
+            texts[piece.index],
+            logprobs[piece.index] if body.wants_logprobs else None,
+            piece.finish_reason or "stop",
+        )
+        for piece in pieces
+    ]
+    return JSONResponse({**header, "object": forms[0].whole, "choices": choices, "usage": usage.json()})
 
 
 def with_prompt_logprobs(piece: Piece, first_token: str) -> Piece:
@@ -242,36 +277,39 @@ def with_prompt_logprobs(piece: Piece, first_token: str) -> Piece:
 
 
 async def stream(
-    pieces: AsyncIterator[Piece],
-    piece: Piece,
+    responses: AsyncIterator[list[Piece]],
+    pieces: list[Piece],
     disconnect: Disconnect,
     header: dict[str, Any],
-    form: ChatFormat | TextFormat,
+    forms: list[ChatFormat | TextFormat],
     echo: str,
     include_usage: bool,
 ) -> AsyncIterator[str]:
-    """Server-sent events: a chunk per response with new text, the finish reason on the last one,
-    then (stream_options.include_usage) the usage, then [DONE]."""
+    """Server-sent events: a chunk per response and choice with something new (the choice's
+    index in it), its finish reason once it ended, then (stream_options.include_usage) the usage,
+    then [DONE]."""
     usage = Usage()
     extra = {"usage": None} if include_usage else {}
+    echoes, ended = [echo] * len(forms), [False] * len(forms)
 
     def event(choices: list[dict], **fields: Any) -> str:
-        return (
-            f"data: {json.dumps({**header, 'object': form.chunk, 'choices': choices, **extra, **fields})}\n\n"
-        )
+        chunk = {**header, "object": forms[0].chunk, "choices": choices, **extra, **fields}
+        return f"data: {json.dumps(chunk)}\n\n"
 
     try:
-        text = echo
         while True:
-            usage.add(piece)
-            text += piece.text
-            finish = (piece.finish_reason or "stop") if piece.final else None
-            if text or piece.logprobs or finish or (isinstance(form, ChatFormat) and not form.started):
-                yield event([form.delta(text, piece.logprobs, finish)])
-            if piece.final:
+            for piece in pieces:
+                usage.add(piece)
+                index, form = piece.index, forms[piece.index]
+                text, echoes[index] = echoes[index] + piece.text, ""
+                finish = None
+                if not ended[index] and (piece.final or piece.finish_reason):
+                    finish, ended[index] = piece.finish_reason or "stop", True
+                if text or piece.logprobs or finish or (isinstance(form, ChatFormat) and not form.started):
+                    yield event([form.delta(text, piece.logprobs, finish)])
+            if pieces[0].final:
                 break
-            text = ""
-            piece = await disconnect.race(anext(pieces))
+            pieces = await disconnect.race(anext(responses))
         if include_usage:
             yield event([], usage=usage.json())
     except ClientGone:
@@ -280,7 +318,7 @@ async def stream(
         yield f"data: {json.dumps(error.body())}\n\n"
     finally:
         disconnect.close()
-        await pieces.aclose()
+        await responses.aclose()
     yield "data: [DONE]\n\n"
 
 
@@ -310,6 +348,12 @@ async def api_error(request: Request, error: Exception) -> Response:
     return error.response()
 
 
+async def server_error(request: Request, error: Exception) -> Response:
+    """A bug, not a refusal: OpenAI's error JSON (the traceback goes to the endpoint's log)."""
+    message = f"internal error of the endpoint: {type(error).__name__}"
+    return APIError(500, message, kind="server_error").response()
+
+
 async def http_error(request: Request, error: Exception) -> Response:
     assert isinstance(error, HTTPException)
     kind = "not_found_error" if error.status_code == 404 else "invalid_request_error"
@@ -318,15 +362,16 @@ async def http_error(request: Request, error: Exception) -> Response:
     ).response()
 
 
-def create_app(grpc_url: str, tokenizer: str | None = None) -> Starlette:
+def create_app(grpc_url: str, tokenizer: str | None = None, limits: Limits = Limits()) -> Starlette:
     """The endpoint for the tritonserver at grpc_url; tokenizer: the chat template's model for
-    every served model (default: what each model serves)."""
+    every served model (default: what each model serves); limits: what bounds one client."""
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         app.state.triton = Triton(grpc_url)  # the aio channel belongs to this event loop
         app.state.models = ServedModels(app.state.triton, tokenizer)
         app.state.created = int(time.time())
+        app.state.limits = limits
         yield
         await app.state.triton.close()
 
@@ -337,5 +382,8 @@ def create_app(grpc_url: str, tokenizer: str | None = None) -> Starlette:
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
     ]
-    handlers = {APIError: api_error, HTTPException: http_error}
-    return Starlette(routes=routes, lifespan=lifespan, exception_handlers=handlers)
+    handlers = {APIError: api_error, HTTPException: http_error, Exception: server_error}
+    admission = Middleware(
+        Admission, limit=limits.max_concurrent_requests, paths=("/v1/chat/completions", "/v1/completions")
+    )
+    return Starlette(routes=routes, lifespan=lifespan, exception_handlers=handlers, middleware=[admission])

@@ -7,9 +7,19 @@ from starlette.responses import JSONResponse
 
 # The gRPC stream carries an error's message but not its status code. The backend refuses a bad
 # request with INVALID_ARG and a message naming the input; these prefixes mark its other errors
-# (backend/engine.py, backend/model.py): the server's failures, and a model that cannot serve now.
-_FAILURES = ("Error generating text", "Error reading the request")
-_UNAVAILABLE = ("the engine thread", "the model is being unloaded", "Request for unknown model")
+# (backend/engine.py, backend/model.py): the server's failures, and a model that cannot serve now
+# (busy, stopping or broken: 503 with Retry-After, which OpenAI's SDKs honour).
+_FAILURES = ("Error generating text", "Error reading the request", "Error compiling the constraint")
+_UNAVAILABLE = (
+    "the engine thread",
+    "the model is being unloaded",
+    "the model is unloading",
+    "Request for unknown model",
+    "the queue is full",
+    "the request waited",
+    "the server is shutting down",
+)
+RETRY_AFTER_S = 1  # the Retry-After of a 503: the queue or the server may take a request again soon
 
 
 class APIError(Exception):
@@ -22,6 +32,7 @@ class APIError(Exception):
         param: str | None = None,
         code: str | None = None,
         kind: str = "invalid_request_error",
+        retry_after_s: int | None = None,
     ):
         super().__init__(message)
         self.status = status
@@ -29,16 +40,25 @@ class APIError(Exception):
         self.param = param
         self.code = code
         self.kind = kind
+        self.retry_after_s = retry_after_s
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+        headers = {"Retry-After": str(self.retry_after_s)} if self.retry_after_s is not None else {}
+        if self.status == 413:  # the rest of the body is not read: the connection cannot go on
+            headers["Connection"] = "close"
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 
 def invalid(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param)
+
+
+def unavailable(message: str) -> APIError:
+    """503 with Retry-After: the server cannot take the request now."""
+    return APIError(503, message, kind="server_error", retry_after_s=RETRY_AFTER_S)
 
 
 def model_not_found(model: str) -> APIError:
@@ -60,5 +80,5 @@ def from_triton(message: str) -> APIError:
     if message.startswith(_FAILURES):
         return APIError(500, message, kind="server_error")
     if message.startswith(_UNAVAILABLE):
-        return APIError(503, message, kind="server_error")
+        return unavailable(message)
     return invalid(message)

@@ -2,7 +2,8 @@
 
 Only the tokenizer of a served model is loaded here, never its weights: the one named by
 `--tokenizer`, else by $LOOKAHEAD_MODEL or the model's config.pbtxt `model` parameter, which is
-what the server itself loads.
+what the server itself loads. What loads it is imported with this module (it imports torch), at
+start: an import mid-serving would hold the event loop for seconds.
 """
 
 from __future__ import annotations
@@ -10,6 +11,10 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 from typing import Any
+
+from lookahead.models.chat import chat_prompt
+from lookahead.models.loading import load_tokenizer
+from lookahead.models.prompt_bytes import prompt_byte_limit
 
 from .errors import APIError, model_not_found
 from .triton import Triton
@@ -20,6 +25,7 @@ class ServedModels:
         self.triton = triton
         self.tokenizer_override = tokenizer
         self.tokenizers: dict[str, Any] = {}  # served model (name or folder) -> its tokenizer
+        self.bounds: dict[str, tuple[int, int]] = {}  # model -> prompt_bound(model)
         self.loading = asyncio.Lock()
 
     async def names(self) -> list[str]:
@@ -31,21 +37,37 @@ class ServedModels:
             raise model_not_found(model)
 
     async def chat_prompt(self, model: str, messages: Sequence[dict[str, Any]]) -> str:
-        """The conversation in the chat format of what `model` serves, as the raw prompt to send."""
-        from lookahead.models.chat import chat_prompt
-
+        """The conversation in the chat format of what `model` serves, as the raw prompt to send
+        (the template runs on a worker thread)."""
         tokenizer = await self.tokenizer(model)
-        try:
-            return chat_prompt(tokenizer, messages)
-        except Exception as error:  # the template's own refusal (e.g. roles out of order)
-            raise APIError(400, f"messages: {error}", "messages") from None
+        return await asyncio.to_thread(_chat_prompt, tokenizer, messages)
 
     async def first_token(self, model: str, prompt: str) -> str:
         """The text of the first token of `prompt` as the server tokenizes it (the prompt's logprobs
-        leave it out: nothing precedes it)."""
+        leave it out: nothing precedes it); tokenized on a worker thread."""
         tokenizer = await self.tokenizer(model)
-        ids = tokenizer.encode(prompt)
-        return tokenizer.decode(ids[:1])
+        return await asyncio.to_thread(lambda: tokenizer.decode(tokenizer.encode(prompt)[:1]))
+
+    async def check_prompt_size(self, model: str, size: int, param: str) -> None:
+        """400 for a prompt of `size` UTF-8 bytes that the model's max_prompt_tokens cannot hold
+        (the bound its server checks before tokenizing), so that it is never tokenized here."""
+        most_tokens, most_bytes = await self.prompt_bound(model)
+        if size > most_bytes:
+            raise APIError(
+                400,
+                f"{param} has {size} bytes: more than max_prompt_tokens ({most_tokens}) tokens can hold "
+                f"on this model (at most {most_bytes} bytes)",
+                param,
+            )
+
+    async def prompt_bound(self, model: str) -> tuple[int, int]:
+        """(max_prompt_tokens, the most UTF-8 bytes so many tokens can spell) of `model`."""
+        if model not in self.bounds:
+            most_tokens = await self.triton.max_prompt_tokens(model)
+            tokenizer = await self.tokenizer(model)
+            most_bytes = await asyncio.to_thread(prompt_byte_limit, tokenizer, most_tokens)
+            self.bounds[model] = most_tokens, most_bytes
+        return self.bounds[model]
 
     async def tokenizer(self, model: str) -> Any:
         served = self.tokenizer_override or await self.triton.served_model(model)
@@ -62,9 +84,14 @@ class ServedModels:
         return self.tokenizers[served]
 
 
-def _load_tokenizer(served: str) -> Any:
-    from lookahead.models.loading import load_tokenizer
+def _chat_prompt(tokenizer: Any, messages: Sequence[dict[str, Any]]) -> str:
+    try:
+        return chat_prompt(tokenizer, messages)
+    except Exception as error:  # the template's own refusal (e.g. roles out of order)
+        raise APIError(400, f"messages: {str(error)[:500]}", "messages") from None
 
+
+def _load_tokenizer(served: str) -> Any:
     try:
         return load_tokenizer(served)
     except (OSError, ValueError) as error:

@@ -1,7 +1,7 @@
 """OpenAI's request bodies as far as this server honours them, and their `sampling_parameters`.
 
-A field OpenAI defines that changes nothing here is accepted; one this server cannot honour (`n`
-above 1, tools, audio ...) and any unknown field are refused by name, as OpenAI refuses unknown
+A field OpenAI defines that changes nothing here is accepted; one this server cannot honour (tools,
+audio ...) and any unknown field are refused by name, as OpenAI refuses unknown
 arguments. Beside OpenAI's fields, a body (the SDK's `extra_body`) may carry vLLM's extra sampling
 keys and the lookahead overrides; the server checks their values.
 """
@@ -12,10 +12,12 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from lookahead.contract import LOOKAHEAD_OVERRIDES
+from lookahead.config import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_WORDS, MAX_TOKEN_ID_LIST
+from lookahead.contract import LOOKAHEAD_OVERRIDES, MAX_SAMPLES, STREAM_EACH_TOKEN
 
 # OpenAI fields sent on as sampling_parameters under the same name.
 _OPENAI_SAMPLING = (
+    "n",
     "temperature",
     "top_p",
     "seed",
@@ -36,6 +38,13 @@ VLLM_EXTRAS = (
     "skip_special_tokens",
 )
 MAX_TOP_LOGPROBS = 20  # the server's bound (vLLM's)
+# The model's bounds on lists (lookahead/config.py), checked here before their entries are.
+_BOUNDS = {
+    "stop": (MAX_STOP_STRINGS, "stop strings"),
+    "logit_bias": (MAX_TOKEN_ID_LIST, "logit_bias entries"),
+    "stop_token_ids": (MAX_TOKEN_ID_LIST, "stop_token_ids"),
+    "stop_words": (MAX_STOP_WORDS, "stop_words"),
+}
 
 
 class _Body(BaseModel):
@@ -71,7 +80,7 @@ class _Request(_Body):
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     logit_bias: dict[str, float] | None = None
-    n: int | None = None
+    n: int | None = Field(None, ge=1, le=MAX_SAMPLES)
     user: str | None = None
     response_format: ResponseFormat | None = None
     # vLLM's extras
@@ -92,13 +101,22 @@ class _Request(_Body):
     debug: bool | None = None
     learn: bool | None = None
     drafter: str | None = None
+    # streaming: a chunk per token, not per step
+    stream_each_token: bool | None = None
 
-    @field_validator("n")
+    @field_validator("stop", "logit_bias", "stop_token_ids", "stop_words", mode="before")
     @classmethod
-    def _one_choice(cls, n: int | None) -> int | None:
-        if n is not None and n != 1:
-            raise ValueError(f"only n=1 is supported, got {n}")
-        return n
+    def _bounded(cls, value: Any, info: Any) -> Any:
+        """The model's bounds, checked before each entry is (a 2,000,000-key logit_bias would keep
+        the validation busy for seconds)."""
+        most, what = _BOUNDS[info.field_name]
+        if isinstance(value, (list, dict)) and len(value) > most:
+            raise ValueError(f"at most {most} {what}, got {len(value)}")
+        if info.field_name == "stop":
+            for text in [value] if isinstance(value, str) else value if isinstance(value, list) else ():
+                if isinstance(text, str) and len(text) > MAX_STOP_STRING_CHARS:
+                    raise ValueError(f"a stop string may be at most {MAX_STOP_STRING_CHARS} characters long")
+        return value
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
@@ -106,7 +124,7 @@ class _Request(_Body):
     def sampling_parameters(self) -> dict[str, Any]:
         """The `sampling_parameters` JSON object: what the body sets, nothing it leaves out, so the
         model's own defaults apply (greedy without `temperature`)."""
-        names = _OPENAI_SAMPLING + VLLM_EXTRAS + LOOKAHEAD_OVERRIDES
+        names = _OPENAI_SAMPLING + VLLM_EXTRAS + LOOKAHEAD_OVERRIDES + (STREAM_EACH_TOKEN,)
         sampling = {name: getattr(self, name) for name in names if getattr(self, name) is not None}
         max_tokens = self.requested_max_tokens()
         if max_tokens is not None:
@@ -194,8 +212,8 @@ class CompletionRequest(_Request):
     prompt: str | Annotated[list[str], Field(min_length=1, max_length=1)]
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    best_of: int | None = Field(None, ge=1, le=MAX_SAMPLES)
     # accepted at the value that changes nothing
-    best_of: Literal[1] | None = None
     suffix: None = None
 
     @property
@@ -204,6 +222,8 @@ class CompletionRequest(_Request):
 
     def sampling_parameters(self) -> dict[str, Any]:
         sampling = super().sampling_parameters()
+        if self.best_of is not None:
+            sampling["best_of"] = self.best_of
         if self.logprobs is not None:
             sampling["logprobs"] = self.logprobs
             if self.echo:  # the echoed prompt's tokens come with theirs (vLLM's prompt_logprobs)

@@ -18,11 +18,12 @@ import numpy as np
 import tritonclient.grpc.aio as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from lookahead.contract import MODEL_ENV
+from lookahead.contract import DEFAULT_MAX_PROMPT_TOKENS, MODEL_ENV
 
-from .errors import APIError, from_triton
+from .errors import APIError, from_triton, unavailable
 
 _FLAGS = ("return_finish_reason", "return_num_input_tokens", "return_num_output_tokens")
+_SERVER_ERRORS = (InferenceServerException, grpc.RpcError)  # the server is down, stopping or unreachable
 
 
 @dataclass(frozen=True)
@@ -37,7 +38,8 @@ class TokenLogprob:
 
 @dataclass(frozen=True)
 class Piece:
-    """What one Triton response adds: text, tokens and, on the last one, why generation ended."""
+    """What one Triton response adds to one sample (`index`, of n): text, tokens and, once the
+    sample ended, why."""
 
     text: str
     output_tokens: int
@@ -45,7 +47,8 @@ class Piece:
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None  # asked for: on the first one, first None
-    final: bool = False
+    final: bool = False  # the request's last response
+    index: int = 0
 
 
 def inputs(
@@ -68,28 +71,36 @@ def _bytes(name: str, text: str) -> grpcclient.InferInput:
     return tensor
 
 
-def read_piece(result: grpcclient.InferResult, top_logprobs: int) -> Piece:
-    """A Piece from one response; top_logprobs: how many of the most likely tokens to keep."""
-    finish = _string(result, "finish_reason")
-    raw_logprobs = _string(result, "logprobs")
-    raw_prompt_logprobs = _string(result, "prompt_logprobs")
+def read_pieces(result: grpcclient.InferResult, top_logprobs: int) -> list[Piece]:
+    """A Piece per sample of one response (the n outputs' elements); top_logprobs: how many of the
+    most likely tokens to keep."""
+    texts = _strings(result, "text_output") or [""]
+    finishes = _strings(result, "finish_reason") or [None] * len(texts)
+    raw_logprobs = _strings(result, "logprobs") or [None] * len(texts)
+    scored = (_strings(result, "prompt_logprobs") or [None])[0]
+    prompt_logprobs = None if scored is None else token_logprobs(scored, top_logprobs)
     prompt_tokens = result.as_numpy("num_input_tokens")
-    return Piece(
-        text=_string(result, "text_output") or "",
-        output_tokens=int(result.as_numpy("num_output_tokens")[0]),
-        prompt_tokens=None if prompt_tokens is None else int(prompt_tokens[0]),
-        finish_reason=finish,
-        logprobs=None if raw_logprobs is None else token_logprobs(raw_logprobs, top_logprobs),
-        prompt_logprobs=None
-        if raw_prompt_logprobs is None
-        else token_logprobs(raw_prompt_logprobs, top_logprobs),
-        final=result.get_response().parameters["triton_final_response"].bool_param,
-    )
+    final = result.get_response().parameters["triton_final_response"].bool_param
+    return [
+        Piece(
+            text=text,
+            output_tokens=int(count),
+            prompt_tokens=None if prompt_tokens is None else int(prompt_tokens[0]),
+            finish_reason=None if finish in (None, "None") else finish,
+            logprobs=None if raw is None else token_logprobs(raw, top_logprobs),
+            prompt_logprobs=prompt_logprobs,
+            final=final,
+            index=index,
+        )
+        for index, (text, count, finish, raw) in enumerate(
+            zip(texts, result.as_numpy("num_output_tokens"), finishes, raw_logprobs)
+        )
+    ]
 
 
-def _string(result: grpcclient.InferResult, name: str) -> str | None:
+def _strings(result: grpcclient.InferResult, name: str) -> list[str] | None:
     array = result.as_numpy(name)
-    return None if array is None else array.reshape(-1)[0].decode("utf-8")
+    return None if array is None else [value.decode("utf-8") for value in array.reshape(-1)]
 
 
 def token_logprobs(raw: str, top: int) -> list[TokenLogprob | None] | None:
@@ -133,8 +144,11 @@ class Triton:
             return False
 
     async def models(self) -> list[str]:
-        """The repository's models that are ready to serve."""
-        index = await self.client.get_model_repository_index(as_json=True)
+        """The repository's models that are ready to serve; 503 when the server does not answer."""
+        try:
+            index = await self.client.get_model_repository_index(as_json=True)
+        except _SERVER_ERRORS as error:
+            raise unavailable(f"tritonserver did not answer: {error}") from None
         return sorted({m["name"] for m in index.get("models", []) if m.get("state") == "READY"})
 
     async def served_model(self, model: str) -> str | None:
@@ -142,15 +156,27 @@ class Triton:
         replaces it in the server too, else its config.pbtxt `model` parameter (None: it has none)."""
         if os.environ.get(MODEL_ENV, "").strip():
             return os.environ[MODEL_ENV].strip()
-        config = await self.client.get_model_config(model, as_json=True)
-        value = config.get("config", {}).get("parameters", {}).get("model", {}).get("string_value", "")
+        value = (await self._parameters(model)).get("model", {}).get("string_value", "")
         return value or None
+
+    async def max_prompt_tokens(self, model: str) -> int:
+        """The model's max_prompt_tokens (its config.pbtxt parameter, else the default)."""
+        parameters = await self._parameters(model)
+        value = parameters.get("max_prompt_tokens", {}).get("string_value", "").strip()
+        return int(value) if value.isdigit() and int(value) > 0 else DEFAULT_MAX_PROMPT_TOKENS
+
+    async def _parameters(self, model: str) -> dict[str, Any]:
+        try:
+            config = await self.client.get_model_config(model, as_json=True)
+        except _SERVER_ERRORS as error:
+            raise unavailable(f"tritonserver did not answer: {error}") from None
+        return config.get("config", {}).get("parameters", {})
 
     async def generate(
         self, model: str, tensors: list[grpcclient.InferInput], request_id: str, top_logprobs: int = 0
-    ) -> AsyncIterator[Piece]:
-        """Each response as a Piece, the last one final; a Triton error raises APIError. Closing
-        the iterator early cancels the request."""
+    ) -> AsyncIterator[list[Piece]]:
+        """Each response as its samples' Pieces, the last one final; a Triton error raises
+        APIError. Closing the iterator early cancels the request."""
 
         async def request() -> AsyncIterator[dict[str, Any]]:
             yield {"model_name": model, "inputs": tensors, "request_id": request_id}
@@ -162,14 +188,14 @@ class Triton:
                 if error is not None:
                     finished = True
                     raise from_triton(error.message())
-                piece = read_piece(result, top_logprobs)
-                finished = piece.final
-                yield piece
+                pieces = read_pieces(result, top_logprobs)
+                finished = pieces[0].final
+                yield pieces
                 if finished:
                     return
             raise APIError(500, "tritonserver ended the response stream early", kind="server_error")
-        except (InferenceServerException, grpc.RpcError) as error:
-            raise APIError(503, f"tritonserver did not answer: {error}", kind="server_error") from None
+        except _SERVER_ERRORS as error:
+            raise unavailable(f"tritonserver did not answer: {error}") from None
         finally:
             if not finished:
                 responses.cancel()

@@ -6,8 +6,13 @@ OpenAI-compatible endpoint beside it) until Ctrl-C or SIGTERM, which drain the m
     python -m launcher --openai-port 9000   # and the OpenAI-compatible endpoint (frontend/)
 
 `--model` (or $LOOKAHEAD_MODEL) replaces the `model` parameter of every model in the repository
-(a folder as an absolute path); it is prepared here before tritonserver starts (an embedded one
-installed and converted, the integer forms of its weights searched; progress on the terminal).
+(a GGUF file or a folder as an absolute path); it is prepared here before tritonserver starts (an
+embedded one installed, a GGUF file's tokenizer converted, a folder's integer forms searched;
+progress on the terminal).
+
+A stop ends everything within tritonserver.STOP_TIMEOUT_S, a client's open stream notwithstanding;
+whatever ends the launcher (SIGKILL included) ends the processes it started; an endpoint that
+dies, or cannot serve its port, stops it with exit code 1.
 """
 
 from __future__ import annotations
@@ -33,18 +38,24 @@ LOGS_DIR = REPO_ROOT / ".cache" / "logs"
 
 
 def model_override(value: str) -> str:
-    """The LOOKAHEAD_MODEL value for `--model`: an embedded model's name or a folder's absolute path
-    (the server's processes run elsewhere), prepared before any server starts. TritonServerError
-    when it is neither."""
+    """The LOOKAHEAD_MODEL value for `--model`: an embedded model's name, or a GGUF file's or a
+    folder's absolute path (the server's processes run elsewhere), prepared before any server
+    starts. TritonServerError when it is none of them, or a GGUF file that cannot be served."""
     from lookahead.models.embedded import EMBEDDED_MODELS
+    from lookahead.models.gguf_file import is_gguf_path, open_gguf
 
     model = value
-    if value not in EMBEDDED_MODELS:
+    if is_gguf_path(value):
+        try:
+            model = str(open_gguf(value).path.resolve())
+        except (ValueError, FileNotFoundError) as error:
+            raise TritonServerError(f"--model: {error}") from None
+    elif value not in EMBEDDED_MODELS:
         folder = Path(value).expanduser()
         if not (folder / "config.json").is_file():
             raise TritonServerError(
-                f"--model {value!r} is neither an embedded model ({', '.join(EMBEDDED_MODELS)}) "
-                "nor a local folder with a config.json"
+                f"--model {value!r} is neither an embedded model ({', '.join(EMBEDDED_MODELS)}), "
+                "nor a .gguf file, nor a local folder with a config.json"
             )
         model = str(folder.resolve())
     prepare_model(model)
@@ -52,9 +63,10 @@ def model_override(value: str) -> str:
 
 
 def prepare_model(model: str) -> None:
-    """`python -m lookahead prepare MODEL`, progress on the terminal: the download, the conversion and
-    the integer-form search done once, so that every instance finds them cached and the readiness
-    wait covers only loading. In a process of its own, whose memory is freed before the server's."""
+    """`python -m lookahead prepare MODEL`, progress on the terminal: the download, the tokenizer's
+    conversion and the integer-form search done once, so that every instance finds them cached and
+    the readiness wait covers only loading. In a process of its own, whose memory is freed before
+    the server's."""
     done = subprocess.run([sys.executable, "-m", "lookahead", "prepare", model], stdin=subprocess.DEVNULL)
     if done.returncode != 0:
         raise TritonServerError(f"preparing {model} failed (python -m lookahead prepare: {done.returncode})")
@@ -88,7 +100,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--log-file",
         type=Path,
-        help="appended to (default: .cache/logs/tritonserver-<http port>.log, rewritten)",
+        help="appended to (default: .cache/logs/tritonserver-<http port>.log)",
     )
     parser.add_argument(
         "--openai-port",
@@ -100,8 +112,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--model",
         default=os.environ.get(MODEL_ENV) or None,
-        help=f"serve every model of the repository on this embedded model or folder (default: ${MODEL_ENV}, "
-        "else each config.pbtxt's model parameter)",
+        help="serve every model of the repository on this embedded model, .gguf file or folder "
+        f"(default: ${MODEL_ENV}, else each config.pbtxt's model parameter)",
     )
     parser.add_argument(
         "--trie-sync",
@@ -113,12 +125,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     split = argv.index("--") if "--" in argv else len(argv)
     args, extra = parser.parse_args(argv[:split]), argv[split + 1 :]
     extra_env = {}
+    ports = {"http-port": args.http_port, "grpc-port": args.grpc_port, "metrics-port": args.metrics_port}
     if args.openai_port:
-        try:
-            refuse_busy_ports({"openai-port": args.openai_port}, TritonServerError)
-        except TritonServerError as err:
-            print(f"error: {err}", file=sys.stderr)
-            return 2
+        ports["openai-port"] = args.openai_port
+    try:  # before anything is touched: the log of a server already on these ports is its own
+        refuse_busy_ports(ports, TritonServerError)
+    except TritonServerError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     if args.model:
         try:
             extra_env[MODEL_ENV] = model_override(args.model)
@@ -130,14 +144,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         extra_env[SYNC_ENV] = args.trie_sync
     log_path = args.log_file or LOGS_DIR / f"tritonserver-{args.http_port}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    log_path.open("ab" if args.log_file else "wb").close()
+    log_path.open("ab").close()
     stop_following = threading.Event()
-    start_offset = log_path.stat().st_size  # an existing --log-file is appended to: show only this run
+    start_offset = log_path.stat().st_size  # the log is appended to: show only this run
     follower = threading.Thread(target=_follow, args=(log_path, start_offset, stop_following), daemon=True)
     follower.start()
 
     server: TritonServer | None = None
     openai: Frontend | None = None
+    endpoint_died = False
     stop_signal: list[int] = []  # the first SIGINT/SIGTERM once serving: the main thread stops the server
     stop_requested = threading.Event()
 
@@ -173,8 +188,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"metrics {server.metrics_url}{endpoint}\nlog: {log_path}   stop with Ctrl-C\n",
             flush=True,
         )
-        while server.process.poll() is None and not stop_requested.wait(0.5):
-            pass
+        while not stop_requested.wait(0.5) and server.process.poll() is None:
+            if openai is not None and openai.process.poll() is not None:
+                print(
+                    f"error: the OpenAI endpoint exited with code {openai.process.returncode}; stopping",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                endpoint_died = True
+                break
+        if openai is not None and openai.process.poll() is None:
+            openai.process.send_signal(signal.SIGTERM)  # it winds down (5 s) while the models drain
         # After a crash too: it waits for the stubs and removes the drain folder.
         code = server.stop(signum=stop_signal[0] if stop_signal else signal.SIGTERM)
     except KeyboardInterrupt:
@@ -193,4 +217,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             openai.stop()
     stop_following.set()
     follower.join()
-    return 0 if stop_signal and code in (0, -signal.SIGTERM, -signal.SIGINT) else code
+    if endpoint_died:
+        return 1
+    return 0 if stop_signal else code

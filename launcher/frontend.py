@@ -3,9 +3,12 @@ load tools'): started in its own session, ready once /health answers, stopped wi
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 from pathlib import Path
+
+from lookahead.parent_death import ending_with_this_process
 
 from .process import ManagedProcess, ProcessError
 
@@ -17,6 +20,8 @@ class FrontendError(ProcessError):
 class Frontend(ManagedProcess):
     name = "the OpenAI endpoint"
     error = FrontendError
+    stop_timeout_s = 6.0  # uvicorn's graceful shutdown takes at most 5 s
+    parent_death_signal = signal.SIGTERM  # it ends its streams, then exits
 
     def __init__(self, process: subprocess.Popen, port: int, log_file: Path | None):
         super().__init__(process, log_file, f"http://127.0.0.1:{port}/health")
@@ -51,6 +56,7 @@ def start_frontend(
             stdin=subprocess.DEVNULL,
             env=env,
             start_new_session=True,
+            preexec_fn=ending_with_this_process(Frontend.parent_death_signal),
         )
     finally:
         if output:

@@ -12,6 +12,7 @@ reaches the stub through the environment's site-packages (scripts/bootstrap.sh i
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import shutil
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from backend.drain import Drain
+from lookahead.parent_death import ending_with_this_process
 
 from .process import ManagedProcess, ProcessError, refuse_busy_ports
 
@@ -32,8 +34,11 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 BACKENDS_CACHE = REPO_ROOT / ".cache" / "triton_backends"
 _STUB = "triton_python_backend_stub"
 _BACKEND_FILES = ("libtriton_python.so", "triton_python_backend_utils.py")
-DRAIN_TIMEOUT_S = 10.0  # how long a stop waits for the instances to drain before it signals tritonserver
-STUBS_GONE_S = 15.0  # how long a stop waits, once tritonserver exited, for its backend stubs to end
+# A stop, at most STOP_TIMEOUT_S in all (within Kubernetes' default 30 s grace period):
+DRAIN_TIMEOUT_S = 10.0  # the instances drain (answer every request, save their tries), then
+EXIT_WAIT_S = 10.0  # tritonserver gets the signal and this long to exit (SIGKILL after), then
+STUBS_GONE_S = 3.0  # its backend stubs get this long to end (SIGKILL after: they saved at the drain)
+STOP_TIMEOUT_S = DRAIN_TIMEOUT_S + EXIT_WAIT_S + STUBS_GONE_S
 
 
 class TritonServerError(ProcessError):
@@ -129,7 +134,7 @@ class TritonServer(ManagedProcess):
 
     name = "tritonserver"
     error = TritonServerError
-    stop_timeout_s = 60.0
+    stop_timeout_s = EXIT_WAIT_S
 
     def __init__(
         self,
@@ -161,8 +166,9 @@ class TritonServer(ManagedProcess):
 
     def stop(self, timeout_s: float | None = None, signum: int = signal.SIGTERM) -> int:
         """Drain the model instances (their requests answered, their snapshots saved) while the server
-        still relays responses, then signal it so that every model's finalize() runs; SIGKILL only
-        if it outlives timeout_s. Returns once its backend stubs have ended too (or STUBS_GONE_S)."""
+        still relays responses, then signal it so that every model's finalize() runs; SIGKILL if it
+        outlives timeout_s (EXIT_WAIT_S). Returns once its backend stubs have ended too (those left
+        after STUBS_GONE_S are killed): at most STOP_TIMEOUT_S in all."""
         if self.process.poll() is None and self.drain is not None:
             late = self.drain.run(DRAIN_TIMEOUT_S)
             if late:
@@ -170,8 +176,13 @@ class TritonServer(ManagedProcess):
         code = super().stop(timeout_s, signum)
         if self.drain is not None:
             left = self.drain.wait_gone(STUBS_GONE_S)
-            if left:
-                print(f"backend stubs {sorted(left)} still run after tritonserver exited", file=sys.stderr)
+            for pid in sorted(left):
+                print(
+                    f"backend stub {pid} still ran {STUBS_GONE_S:g} s after tritonserver: killed",
+                    file=sys.stderr,
+                )
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
             self.drain.remove()
             self.drain = None
         return code
@@ -222,6 +233,7 @@ def start_server(
                 stdin=subprocess.DEVNULL,
                 env={**installation.env, **drain.env, **(extra_env or {})},
                 start_new_session=True,
+                preexec_fn=ending_with_this_process(TritonServer.parent_death_signal),
             )
     except BaseException:
         drain.remove()

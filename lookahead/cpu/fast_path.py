@@ -18,9 +18,9 @@ from typing import Any
 
 import torch
 
+from ..algorithm.cost_priors import cost_prior
 from ..config import LINEAR_KERNELS
 from .attention import use_grouped_sdpa
-from .cost_priors import cost_prior
 from .extension import (
     FastPathUnavailable,
     Variant,
@@ -30,7 +30,7 @@ from .extension import (
     why_no_variant,
 )
 from .lean_layers import use_lean_layers
-from .packed_linear import integer_activations, pack_linear_layers, search_integer_forms
+from .packed_linear import KnownForms, integer_activations, pack_linear_layers, search_integer_forms
 
 logger = logging.getLogger("lookahead")
 
@@ -55,10 +55,13 @@ class FastPath:
         return f"packed {self.variant} kernel, {layers}"
 
 
-def apply_fast_path(model: Any, linear_kernel: str = "auto", variant: Variant | None = None) -> FastPath:
+def apply_fast_path(
+    model: Any, linear_kernel: str = "auto", variant: Variant | None = None, known: KnownForms | None = None
+) -> FastPath:
     """Put `model` on the linear kernel named `linear_kernel` ("auto": integer where the weights
     have integer forms, else packed, where the fast path can run), on `variant` of the kernel
-    (None: `chosen_variant()`).
+    (None: `chosen_variant()`). `known`: the integer forms the caller knows (see
+    packed_linear.KnownForms); on the stock kernel the caller fills those layers itself.
 
     Raises ValueError for an unknown name and FastPathUnavailable when "integer" or "packed"
     cannot run here.
@@ -78,7 +81,7 @@ def apply_fast_path(model: Any, linear_kernel: str = "auto", variant: Variant | 
         logger.info("linear_kernel auto: stock (%s)", error)
         return FastPath("stock", reason=str(error))
     activations = "fp32" if linear_kernel == "packed" else "int8"
-    pack_linear_layers(model, extension, activations=activations)
+    pack_linear_layers(model, extension, known, activations=activations)
     if linear_kernel == "auto":
         linear_kernel = "integer" if integer_activations(model) else "packed"
     lean = use_lean_layers(model, extension, fused=linear_kernel == "integer")
@@ -88,7 +91,7 @@ def apply_fast_path(model: Any, linear_kernel: str = "auto", variant: Variant | 
 
 
 def _check_model(model: Any) -> None:
-    parameter = next(model.parameters())
+    parameter = next(p for p in model.parameters() if not p.is_meta)  # a known form's layer is empty
     if parameter.device.type != "cpu":
         raise FastPathUnavailable(f"the packed kernel runs on the CPU, not {parameter.device}")
     if parameter.dtype != torch.float32:

@@ -31,11 +31,11 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from ..cache_dirs import packed_dir
+
 # Where found forms are kept, by the digest of the weights they rebuild (and matrices that have
 # none, by the same key), so that a model's later loads skip the search.
-FORMS_DIR = Path(
-    os.environ.get("LOOKAHEAD_PACKED_DIR") or Path(__file__).resolve().parents[2] / ".cache" / "packed"
-)
+FORMS_DIR = packed_dir()
 # Part of every key: a search that finds more forms must not read an older search's "none".
 _SEARCH_VERSION = "1"
 
@@ -55,7 +55,7 @@ class IntegerForm:
     @property
     def nibbles(self) -> bool:
         """Whether every q fits in 0..15 (two to a byte)."""
-        return bool(((self.q >= 0) & (self.q <= 15)).all())
+        return bool(self.q.min() >= 0 and self.q.max() <= 15)  # no temporary the size of q
 
 
 @dataclass(frozen=True)

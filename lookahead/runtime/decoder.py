@@ -25,9 +25,9 @@ import torch
 from ..algorithm.planner import Calibration, CostModel
 from ..algorithm.trie import NGramTrie
 from ..algorithm.verify import verify
-from ..config import DecoderConfig, LookaheadConfig, SamplingParams, StructuredOutputs, TrieConfig
-from ..structured import GrammarCompiler, GrammarMatcher
-from .generation import Generation, GenerationStats, Shared, StepOutput
+from ..config import DecoderConfig, LookaheadConfig, SamplingParams, TrieConfig
+from ..structured import CompiledGrammar, GrammarCompiler, GrammarMatcher
+from .generation import Generation, GenerationStats, Shared, Siblings, StepOutput
 from .kv_pool import accepted_moves
 from .runner import ModelRunner, Work
 from .scheduler import schedule
@@ -56,7 +56,7 @@ class LookaheadDecoder:
     """Shared state of all requests served by one model instance (owned by one thread).
 
     step_token_budget, max_speculative_batch, prefix_cache_tokens, kv_cache_bytes,
-    grammar_compile_timeout_s: see `DecoderConfig`.
+    grammar_compile_timeout_s, grammar_max_bytes, grammar_max_choices: see `DecoderConfig`.
     cost_prior: the forward's relative cost by tokens fed on this execution path, which the cost
     model starts from (`LoadedModel.cost_prior`); None: the device's default curve.
     """
@@ -74,6 +74,8 @@ class LookaheadDecoder:
         prefix_cache_tokens: int = DecoderConfig.prefix_cache_tokens,
         kv_cache_bytes: int = DecoderConfig.kv_cache_bytes,
         grammar_compile_timeout_s: float = DecoderConfig.grammar_compile_timeout_s,
+        grammar_max_bytes: int = DecoderConfig.grammar_max_bytes,
+        grammar_max_choices: int = DecoderConfig.grammar_max_choices,
         cost_prior: Mapping[int, float] | None = None,
     ):
         DecoderConfig(
@@ -82,6 +84,8 @@ class LookaheadDecoder:
             prefix_cache_tokens,
             kv_cache_bytes,
             grammar_compile_timeout_s,
+            grammar_max_bytes,
+            grammar_max_choices,
         )  # validates
         self.runner = ModelRunner(
             model, prefix_cache_tokens=prefix_cache_tokens, kv_cache_bytes=kv_cache_bytes
@@ -100,7 +104,12 @@ class LookaheadDecoder:
         self.context_length = self.runner.context_length
         self.kv_cache_bytes = kv_cache_bytes
         self.grammars = GrammarCompiler(
-            tokenizer, self.eos_token_ids, self.vocab_size, grammar_compile_timeout_s
+            tokenizer,
+            self.eos_token_ids,
+            self.vocab_size,
+            grammar_compile_timeout_s,
+            max_bytes=grammar_max_bytes,
+            max_choices=grammar_max_choices,
         )
         self.cost = CostModel.for_device(self.device.type, dict(cost_prior) if cost_prior else None)
         self.calibration = Calibration.uniform(INITIAL_CALIBRATION)
@@ -137,6 +146,8 @@ class LookaheadDecoder:
             prefix_cache_tokens=settings.prefix_cache_tokens,
             kv_cache_bytes=settings.kv_cache_bytes,
             grammar_compile_timeout_s=settings.grammar_compile_timeout_s,
+            grammar_max_bytes=settings.grammar_max_bytes,
+            grammar_max_choices=settings.grammar_max_choices,
             cost_prior=loaded.cost_prior,
         )
 
@@ -146,7 +157,15 @@ class LookaheadDecoder:
         params: SamplingParams = SamplingParams(),
         lookahead: LookaheadConfig | None = None,
         request_id: str = "",
+        grammar: CompiledGrammar | None = None,
+        siblings: Siblings | None = None,
     ) -> Generation:
+        """One request's generation (one sample: start_samples starts several). grammar:
+        params.structured_outputs compiled (`self.grammars.compile`); the backend compiles it before
+        the request reaches the engine thread and passes it here. Without it the constraint is
+        compiled on the caller's thread."""
+        if params.samples > 1:
+            raise ValueError(f"{params.samples} samples are several generations: use start_samples")
         config = lookahead or self.config
         self.check_request(len(prompt_ids), params, config)
         shared = Shared(
@@ -161,36 +180,60 @@ class LookaheadDecoder:
             step=lambda gen: self.step([gen])[0],
             release=self.runner.pool.release,
         )
-        grammar = self.grammar_matcher(params.structured_outputs)
-        return Generation(shared, list(prompt_ids), params, config, request_id, grammar)
+        spec = params.structured_outputs
+        matcher = None
+        if spec is not None:
+            matcher = GrammarMatcher(grammar or self.grammars.compile(spec), self.vocab_size, spec.name)
+        return Generation(shared, list(prompt_ids), params, config, request_id, matcher, siblings)
+
+    def start_samples(
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams = SamplingParams(),
+        lookahead: LookaheadConfig | None = None,
+        request_id: str = "",
+        grammar: CompiledGrammar | None = None,
+    ) -> list[Generation]:
+        """The params.samples samples of one prompt (n, or best_of), sample i sampling with
+        params.sample(i). The first reads the prompt; the others take its KV once it has, and
+        every sample drafts from the others' outputs (see Siblings)."""
+        config = lookahead or self.config
+        self.check_request(len(prompt_ids), params, config)
+        siblings = Siblings()
+        if config.drafting and (self.trie is None or not config.learn):
+            capacity = (len(prompt_ids) + params.samples * params.max_tokens) * self.trie_depth + 1
+            siblings.trie = NGramTrie(capacity=capacity, max_depth=self.trie_depth)
+            siblings.trie.insert(list(prompt_ids))
+        samples = [
+            self.start(prompt_ids, params.sample(i), config, f"{request_id}#{i}", grammar, siblings)
+            for i in range(params.samples)
+        ]
+        siblings.leader = samples[0]
+        return samples
 
     def check_request(self, prompt_length: int, params: SamplingParams, lookahead: LookaheadConfig) -> None:
         """Raise ValueError for a request this decoder can never serve: an empty prompt, token ids
         outside the vocabulary, stop_words the tokenizer cannot resolve, more tokens than the model's
-        context, more KV than kv_cache_bytes, a structured-output constraint that does not compile
-        (compiled here, on the caller's thread, and cached for the engine's)."""
+        context, more KV than kv_cache_bytes, a structured-output constraint over the size caps or
+        refused before. It never compiles: `self.grammars.compile` does, off the engine thread."""
         if prompt_length < 1:
             raise ValueError("the prompt must contain at least one token")
         params.check_vocabulary(self.vocab_size)
         self.stop_word_ids(lookahead.stop_words)
         if params.structured_outputs is not None:
-            self.grammars.compile(params.structured_outputs)
+            self.grammars.check(params.structured_outputs)
         total = prompt_length + params.max_tokens
         if self.context_length is not None and total > self.context_length:
             raise ValueError(
                 f"the prompt ({prompt_length} tokens) and max_tokens ({params.max_tokens}) exceed the "
                 f"model's context length ({self.context_length} tokens)"
             )
-        needed = self.runner.kv_bytes([self.longest(prompt_length, params, lookahead)])
+        needed = self.runner.kv_bytes([self.longest(prompt_length, params, lookahead)] * params.samples)
         if self.kv_cache_bytes and needed > self.kv_cache_bytes:
             raise ValueError(
                 f"the prompt ({prompt_length} tokens) and max_tokens ({params.max_tokens}) need "
                 f"{needed} bytes of KV cache, more than kv_cache_bytes ({self.kv_cache_bytes})"
             )
-
-    def grammar_matcher(self, spec: StructuredOutputs | None) -> GrammarMatcher | None:
-        """A fresh matcher of a request's constraint (None without one)."""
-        return GrammarMatcher(self.grammars.compile(spec), self.vocab_size) if spec is not None else None
 
     @staticmethod
     def longest(prompt_length: int, params: SamplingParams, lookahead: LookaheadConfig) -> int:
@@ -241,15 +284,14 @@ class LookaheadDecoder:
         """
         if any(gen.finished for gen in generations):
             raise RuntimeError("step() called on a finished or closed generation")
-        # Before any slot number is planned.
-        self.runner.pack()
+        self.runner.pack()  # before any slot is looked up: packing moves requests between slots
         outputs: dict[int, StepOutput] = {}
         for gen in generations:
-            if gen.fed is None:
+            if gen.fed is None and not gen.awaits_leader:
                 failure = _isolated(gen, lambda gen=gen: self._admit(gen))
                 if failure is not None:
                     outputs[id(gen)] = failure
-        admitted = [gen for gen in generations if id(gen) not in outputs]
+        admitted = [gen for gen in generations if id(gen) not in outputs and gen.fed is not None]
         plan = schedule(admitted, self.step_token_budget, self.cost, self.max_speculative_batch)
         for gen, error in plan.failed:
             outputs[id(gen)] = _failure(gen, error)
@@ -268,7 +310,11 @@ class LookaheadDecoder:
         it does not learn)."""
         # The prefix cache is shared by the requests that learn: one that does not neither reads
         # nor leaves anything there (see _prompt_read), so no match crosses the two scopes.
-        cached = self.runner.admit(gen, use_prefix_cache=gen.config.learn and not gen.scoring_prompt)
+        leader = gen.leader
+        if leader is not None and leader.prefilled and not gen.scoring_prompt:  # its sibling's prompt
+            cached = self.runner.admit_after(gen, leader)
+        else:
+            cached = self.runner.admit(gen, use_prefix_cache=gen.config.learn and not gen.scoring_prompt)
         gen.fed = cached
         gen.stats.cached_prompt_tokens = cached
         gen.started = time.perf_counter()

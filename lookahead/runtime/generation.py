@@ -40,6 +40,8 @@ class StepOutput:
     finish_reason: str | None = None  # None while running, else "stop", "length", "cancelled" or "error"
     logprobs: list[PositionLogprobs] | None = None  # one per token, when params.logprobs is set
     error: Exception | None = None  # why the request failed (finish_reason "error"); the others went on
+    # The text each token added, as plain decoding streams it (one per token; joined, `text`).
+    token_texts: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -81,6 +83,17 @@ class Shared:
     release: Callable[[Generation], None]  # gives the generation's KV slot back
 
 
+@dataclass
+class Siblings:
+    """The samples of one prompt (SamplingParams n, best_of), started together: the leader reads
+    the prompt, the others take its KV once it has (so the prompt is read once); `trie`, where the
+    instance's trie does not learn their outputs, holds the prompt and every sample's output, so
+    that each sample drafts from the others' (there, the instance's trie does it)."""
+
+    leader: Generation | None = None
+    trie: NGramTrie | None = None
+
+
 class Generation:
     """One request: its prompt fed in chunks, then one (possibly speculative) forward per step."""
 
@@ -92,8 +105,10 @@ class Generation:
         config: LookaheadConfig,
         request_id: str = "",
         grammar: GrammarMatcher | None = None,
+        siblings: Siblings | None = None,
     ):
         self.shared = shared
+        self.siblings = siblings
         self.request_id = request_id  # names the request in the debug log
         self.params = params
         self.config = config
@@ -133,6 +148,7 @@ class Generation:
                     shared.trie_depth,
                     self.stop_tokens,
                     self.stop_words,
+                    siblings.trie if siblings is not None else None,
                 )
             )
         # The shared trie learns outputs, keyed by the prompt's last tokens so that they can be queried.
@@ -160,6 +176,18 @@ class Generation:
     def prefilled(self) -> bool:
         """The whole prompt but its last token is in the pool: the next step drafts."""
         return self.fed is not None and self.fed >= self.root
+
+    @property
+    def leader(self) -> Generation | None:
+        """The sibling whose prompt KV this sample takes (None: it reads its own prompt)."""
+        leader = self.siblings.leader if self.siblings is not None else None
+        return None if leader is self else leader
+
+    @property
+    def awaits_leader(self) -> bool:
+        """Its leader is still reading the prompt (a finished one leaves this sample to read it)."""
+        leader = self.leader
+        return leader is not None and not leader.finished and not leader.prefilled
 
     @property
     def scoring_prompt(self) -> bool:
@@ -247,9 +275,13 @@ class Generation:
             tokens = tokens[: stop_at + 1]
         # The stop token's own text is left out unless include_stop_str_in_output (vLLM's rule).
         shown = tokens if stop_at is None or params.include_stop_str_in_output else tokens[:-1]
-        text, consumed = self.detokenizer.push(shown)
-        if self.detokenizer.stopped:
-            tokens, stop_at = tokens[:consumed], None
+        texts = []
+        for token in shown:  # token by token: each one's text as plain decoding streams it
+            texts.append(self.detokenizer.push([token])[0])
+            if self.detokenizer.stopped:
+                tokens, stop_at = tokens[: len(texts)], None
+                break
+        texts += [""] * (len(tokens) - len(texts))  # an end token whose text is left out
         self.ids.extend(tokens)
         self.stats.output_tokens += len(tokens)
         self.selector.commit(tokens)
@@ -267,6 +299,6 @@ class Generation:
         elif self.stats.output_tokens >= params.max_tokens:
             self.finish_reason = "length"
         if self.finished:
-            text += self.detokenizer.flush()
+            texts[-1] += self.detokenizer.flush()  # a step commits at least one token
             self.close()
-        return StepOutput(tokens, text, self.finish_reason, logprobs)
+        return StepOutput(tokens, "".join(texts), self.finish_reason, logprobs, token_texts=texts)

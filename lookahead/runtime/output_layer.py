@@ -24,8 +24,8 @@ def plain_output_layer(model: Any) -> Any | None:
         decoder, head = model.get_decoder(), model.get_output_embeddings()
         if decoder is None or head is None or decoder is model:
             return None
-        embeddings = model.get_input_embeddings()
-        tokens, device = [t % embeddings.num_embeddings for t in (11, 12, 13)], embeddings.weight.device
+        vocab, device = model.get_input_embeddings().num_embeddings, next(model.parameters()).device
+        tokens = [t % vocab for t in (11, 12, 13)]
         with torch.inference_mode():
             full = plain_logits(model, tokens, device)
             ids = torch.tensor([tokens], device=device)

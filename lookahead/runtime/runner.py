@@ -109,6 +109,15 @@ class ModelRunner:
         self.pool.admit(gen, keys, values, used=self.held_entries())
         return cached
 
+    def admit_after(self, gen: Generation, leader: Generation) -> int:
+        """Give a new sample a pool slot holding its leader's prompt entries (the same prompt, all
+        but its last token, which the sample feeds as its first root); return their count."""
+        if self.pool.layout is None:
+            self.pool.layout = self.kv_layout
+        keys, values = self.pool.prefix(self.pool.slot_of(leader), leader.root)
+        self.pool.admit(gen, keys, values, used=self.held_entries())
+        return leader.root
+
     def keep_prompt(self, prompt: list[int], slot: int) -> None:
         """Keep a read prompt's KV (the first len(prompt) entries of its slot) for later prompts
         sharing a prefix, where the prefix cache has room and does not hold it yet."""

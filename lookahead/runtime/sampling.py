@@ -150,8 +150,8 @@ class TokenSelector:
 
 
 def greedy_tokens(logits: torch.Tensor) -> list[int]:
-    """Each row's argmax, the first index on ties as torch.argmax. On the CPU numpy's takes ~3 us
-    for a 49152-entry row where torch's takes ~60 us (~1 ms for a 16-node draft)."""
+    """Each row's argmax, the first index on ties as torch.argmax. On the CPU numpy's argmax of a
+    vocabulary-sized row costs a fraction of torch's, and every verified row pays it."""
     if logits.device.type == "cpu" and logits.dtype == torch.float32:
         return logits.numpy().argmax(-1).tolist()
     return logits.argmax(-1).tolist()

@@ -11,20 +11,32 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from ..algorithm.trie import NGramTrie
+from ..config import LookaheadConfig
 from .persistence import save_trie
 from .sync import HISTORY_WAIT_S, START, Log, TrieSync
 
-if TYPE_CHECKING:
-    from ..runtime.generation import Generation
-
 APPLY_TOKENS_PER_STEP = 512  # received tokens inserted between two steps (whole entries); the rest wait
 IDLE_POLL_S = 0.25  # how often an idle engine looks for received entries while syncing
+HISTORY_POLL_S = 0.05  # how often a joining keeper inserts the history read so far
 
 
-def learned_tokens(generation: Generation) -> list[int]:
+class Finished(Protocol):
+    """What the keeper reads of a finished request (runtime.generation.Generation is one)."""
+
+    ids: list[int]
+    prompt_len: int
+    finish_reason: str | None
+    stop_tokens: frozenset[int]
+    config: LookaheadConfig
+
+    @property
+    def output_ids(self) -> list[int]: ...
+
+
+def learned_tokens(generation: Finished) -> list[int]:
     """What a request's writer fed the global trie: the prompt's last max_query_length - 1 tokens
     (the keys its outputs are found by) and the output, less a final stop token."""
     prompt = generation.ids[: generation.prompt_len]
@@ -72,21 +84,28 @@ class TrieKeeper:
         self.sync = sync
         self.stream = {"key": sync.key, "source": sync.source, "cursor": sync.cursor}
         sync.start()
-        sync.wait_for_history(history_wait_s)
-        return self._apply(None)
+        deadline = time.monotonic() + history_wait_s
+        inserted = 0
+        while not sync.caught_up.wait(HISTORY_POLL_S) and time.monotonic() < deadline:
+            inserted += self._apply(None)  # reading pauses while too many tokens wait
+        return inserted + self._apply(None)
 
     def mark_changed(self) -> None:
         self.changed = True
 
-    def learned_from(self, generation: Generation) -> None:
+    def learned_from(self, generation: Finished) -> None:
         """Publish what the global trie learned from a request that ended (nothing when the
         request had `learn` off)."""
         if self.sync is not None and generation.config.learn:
             self.sync.publish(learned_tokens(generation))
 
     def between_steps(self) -> None:
-        """Insert received entries, then save when a snapshot is due."""
+        """Insert received entries, then save when a snapshot is due; a sync thread that died is
+        started again (it cannot die of an entry: only of an error no thread should catch)."""
         if self.sync is not None:
+            if not self.sync.alive:
+                self.log.log_error("trie sync: the sync thread died; restarting it")
+                self.sync.restart()
             self._apply(APPLY_TOKENS_PER_STEP)
         self.maybe_save()
 
@@ -122,10 +141,12 @@ class TrieKeeper:
         self.save()
 
     def _apply(self, max_tokens: int | None) -> int:
+        """Insert received entries; the snapshot's position moves past them and past the entries
+        skipped after them (rejected ones included), never past one still waiting."""
         entries = self.sync.take(max_tokens)
         for entry in entries:
             self.trie.writer().feed(entry.tokens, self.stop_words)
-        if entries:
-            self.stream["cursor"] = entries[-1].entry_id
+        if self.stream.get("cursor") != self.sync.taken_through:
+            self.stream["cursor"] = self.sync.taken_through
             self.changed = True
         return len(entries)

@@ -15,6 +15,9 @@ An entry's fields (all ASCII, readable with redis-cli XRANGE):
 `TrieSync` does all network work on a thread of its own: the engine thread only appends to an
 outbox and drains an inbox, so a slow or dead Redis never delays a step. Connection trouble is
 logged once per outage; the thread reconnects with backoff and publishes what waited meanwhile.
+Anyone who can write to the stream can write anything: every entry that is not one this build
+can insert is counted and skipped, and reading pauses while more tokens wait in the inbox than
+MAX_WAITING_TOKENS (the engine inserts APPLY_TOKENS_PER_STEP per step).
 """
 
 from __future__ import annotations
@@ -40,6 +43,12 @@ SOCKET_TIMEOUT_S = 2.0  # a Redis slower than this counts as down
 BACKOFF_S = (0.25, 8.0)  # first and longest wait between reconnection attempts
 OUTBOX_LIMIT = 4096  # entries waiting for Redis; beyond, new ones are learned locally only
 HISTORY_WAIT_S = 10.0  # most time a starting instance waits for the stream's retained entries
+# Received tokens waiting for the engine beyond which reading pauses (raised to four of the
+# largest entries where those are larger).
+MAX_WAITING_TOKENS = 65_536
+# The longest entry accepted from a model with no context length in its config (for the others:
+# the context length, see entry_token_bound).
+MAX_ENTRY_TOKENS = 131_072
 
 COUNTS = ("published", "received", "rejected", "reconnects")
 
@@ -94,6 +103,14 @@ def encode_entry(tokens: Sequence[int], source: str) -> dict[str, str]:
     return {"v": FORMAT_VERSION, "src": source, "ids": ",".join(map(str, tokens))}
 
 
+def entry_token_bound(context_length: int | None) -> int:
+    """The most tokens an honest peer publishes: a request's prompt tail and output
+    (keeper.learned_tokens), which its context holds. Every replica of one stream serves the same
+    model (the fingerprint is in the key), so its context length bounds every peer's entries,
+    whatever their max_prompt_tokens and max_output_tokens."""
+    return context_length if context_length else MAX_ENTRY_TOKENS
+
+
 def decode_entry(fields: Mapping[bytes, bytes], *, vocab_size: int, max_tokens: int) -> tuple[str, list[int]]:
     """(source, token ids) of a stream entry; EntryError when it is not one this instance can insert."""
     version = fields.get(b"v")
@@ -109,6 +126,11 @@ def decode_entry(fields: Mapping[bytes, bytes], *, vocab_size: int, max_tokens: 
         raise EntryError("ids", "ids are not comma-separated non-negative integers")
     if len(parts) > max_tokens:
         raise EntryError("size", f"{len(parts)} tokens, more than {max_tokens}")
+    digits = len(str(vocab_size))
+    too_long = next((part for part in parts if len(part.lstrip(b"0")) > digits), None)
+    if too_long is not None:  # refused before int(), which refuses more than 4300 digits
+        message = f"a token id of {len(too_long)} digits, outside the vocabulary (size {vocab_size})"
+        raise EntryError("ids", message)
     tokens = [int(part) for part in parts]
     if tokens and max(tokens) >= vocab_size:
         raise EntryError("ids", f"token id {max(tokens)} outside the vocabulary (size {vocab_size})")
@@ -143,15 +165,22 @@ class TrieSync:
         on_count: Callable[[str, int], None] | None = None,
         source: str | None = None,
         cursor: str = START,
+        max_waiting_tokens: int = MAX_WAITING_TOKENS,
     ):
         self.url, self.key = check_url(url), key
         self.vocab_size, self.max_tokens, self.max_entries = vocab_size, max_tokens, max_entries
+        self.max_waiting_tokens = max(max_waiting_tokens, 4 * max_tokens)
         self.log = log
         self.on_count = on_count
         self.source = source or new_source()
         self.cursor = cursor
         self.outbox: deque[list[int]] = deque()  # appended by the engine thread, sent by this one
         self.inbox: deque[Received] = deque()  # appended by this thread, drained by the engine thread
+        self.waiting_tokens = 0  # the inbox's tokens
+        # Stream id through which every entry read is in the inbox or was skipped (rejected, its
+        # own); taken_through: through which every entry was taken or skipped (engine thread).
+        self.read_through = self.taken_through = cursor
+        self._inbox_lock = threading.Lock()
         self.caught_up = threading.Event()  # the retained history was read, or Redis was unreachable
         self.counts = dict.fromkeys(COUNTS, 0)
         self._stopping = threading.Event()
@@ -162,6 +191,15 @@ class TrieSync:
         self._thread = threading.Thread(target=self._run, name="lookahead-trie-sync", daemon=True)
 
     def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def restart(self) -> None:
+        """A new thread in place of one that died, reading on from the cursor."""
+        self._thread = threading.Thread(target=self._run, name="lookahead-trie-sync", daemon=True)
         self._thread.start()
 
     def wait_for_history(self, timeout_s: float = HISTORY_WAIT_S) -> bool:
@@ -187,13 +225,17 @@ class TrieSync:
         self.outbox.append(list(tokens))
 
     def take(self, max_tokens: int | None = None) -> list[Received]:
-        """Received entries in stream order, up to about max_tokens tokens (engine thread)."""
+        """Received entries in stream order, up to about max_tokens tokens (engine thread); sets
+        taken_through."""
         taken, budget = [], max_tokens
-        while self.inbox and (budget is None or budget > 0):
-            entry = self.inbox.popleft()
-            taken.append(entry)
-            if budget is not None:
-                budget -= max(1, len(entry.tokens))
+        with self._inbox_lock:
+            while self.inbox and (budget is None or budget > 0):
+                entry = self.inbox.popleft()
+                taken.append(entry)
+                self.waiting_tokens -= len(entry.tokens)
+                if budget is not None:
+                    budget -= max(1, len(entry.tokens))
+            self.taken_through = taken[-1].entry_id if self.inbox else self.read_through
         return taken
 
     def _count(self, kind: str, n: int = 1) -> None:
@@ -220,6 +262,12 @@ class TrieSync:
                 self._serve(client)
             except (redis.RedisError, OSError) as error:
                 self._on_failure(error)
+                self._stopping.wait(delay)
+                delay = min(delay * 2, BACKOFF_S[1])
+            except Exception as error:  # a bug must not end fleet learning: log it, start over
+                self.log.log_error(
+                    f"trie sync: unexpected {type(error).__name__} ({error}); reconnecting with backoff"
+                )
                 self._stopping.wait(delay)
                 delay = min(delay * 2, BACKOFF_S[1])
             finally:
@@ -250,12 +298,17 @@ class TrieSync:
             self._flush(client)
             if self._stopping.is_set():
                 return
+            room = self.max_waiting_tokens - self.waiting_tokens
+            if room < self.max_tokens:  # the engine has not inserted what waits: read later
+                self._stopping.wait(BLOCK_MS / 1000)
+                continue
+            count = min(READ_BATCH, room // self.max_tokens)
             block = BLOCK_MS if self.caught_up.is_set() else None
-            reply = client.xread({self.key: self.cursor}, count=READ_BATCH, block=block)
+            reply = client.xread({self.key: self.cursor}, count=count, block=block)
             entries = reply[0][1] if reply else []
             for entry_id, fields in entries:
                 self._accept(entry_id.decode(), fields)
-            if len(entries) < READ_BATCH:
+            if len(entries) < count:
                 self.caught_up.set()
 
     def _flush(self, client: redis.Redis) -> None:
@@ -273,19 +326,26 @@ class TrieSync:
             self._count("published", len(batch))
 
     def _accept(self, entry_id: str, fields: dict[Any, Any]) -> None:
+        """Queue one entry for the engine, or count and skip it; nothing in an entry raises here."""
         self.cursor = entry_id
+        received = None
         try:
             source, tokens = decode_entry(fields, vocab_size=self.vocab_size, max_tokens=self.max_tokens)
-        except EntryError as error:
+            if source != self.source:  # its own entries are in its trie already
+                received = Received(entry_id, tokens)
+        except Exception as error:
+            kind = error.kind if isinstance(error, EntryError) else type(error).__name__
             self._count("rejected")
-            if error.kind not in self._logged_kinds:
-                self._logged_kinds.add(error.kind)
+            if kind not in self._logged_kinds:
+                self._logged_kinds.add(kind)
                 self.log.log_warn(
-                    f"trie sync: rejected entry {entry_id} of {self.key}: {error} "
+                    f"trie sync: rejected entry {entry_id} of {self.key}: {str(error)[:200]} "
                     "(further rejections of this kind are only counted)"
                 )
-            return
-        if source == self.source:
-            return
-        self.inbox.append(Received(entry_id, tokens))
-        self._count("received")
+        with self._inbox_lock:
+            if received is not None:
+                self.inbox.append(received)
+                self.waiting_tokens += len(received.tokens)
+            self.read_through = entry_id
+        if received is not None:
+            self._count("received")

@@ -19,7 +19,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .compiler import CompiledGrammar
+from .compiler import CompiledGrammar, error_reason
+
+
+class GrammarLimitError(ValueError):
+    """The constraint cannot go on: llguidance's matcher stopped with an error (a grammar that outgrew
+    the parser limits mid-generation). The request that holds it fails; the others go on."""
 
 
 @dataclass
@@ -36,8 +41,9 @@ class GrammarStats:
 class GrammarMatcher:
     """The grammar of one request (not thread-safe: the engine thread owns it)."""
 
-    def __init__(self, compiled: CompiledGrammar, vocab_size: int):
+    def __init__(self, compiled: CompiledGrammar, vocab_size: int, name: str = "structured_outputs"):
         self._matcher = compiled.matcher()
+        self.name = name  # the request key of the constraint, for errors
         self._vocab_size = vocab_size
         self._path: list[int] = []  # draft tokens consumed beyond the committed ones
         self.stats = GrammarStats()
@@ -67,9 +73,9 @@ class GrammarMatcher:
         """[vocab] bool: the tokens the grammar permits after the committed tokens and `path`."""
         started = time.perf_counter()
         self._follow(path)
-        if self._matcher.is_error():
-            raise RuntimeError(f"structured output: {self._matcher.get_error()}")
         bits = np.frombuffer(self._matcher.compute_bitmask(), dtype=np.uint8)
+        if self._matcher.is_error():
+            raise self._failure()
         mask = np.unpackbits(bits, bitorder="little")[: self._vocab_size].view(np.bool_)
         self.stats.masks += 1
         self.stats.mask_seconds += time.perf_counter() - started
@@ -83,7 +89,7 @@ class GrammarMatcher:
             if self._matcher.is_stopped():
                 break
             if not self._matcher.consume_token(token):
-                raise RuntimeError(f"structured output: token {token} refused: {self._matcher.get_error()}")
+                raise self._failure(f"token {token} refused")
 
     def _follow(self, path: Sequence[int]) -> None:
         """Put the matcher in the state after `path`, whose every token the grammar accepts."""
@@ -97,7 +103,9 @@ class GrammarMatcher:
             del self._path[common:]
         for token in path[common:]:
             if not self._matcher.consume_token(token):
-                raise RuntimeError(
-                    f"structured output: draft token {token} refused: {self._matcher.get_error()}"
-                )
+                raise self._failure(f"draft token {token} refused")
             self._path.append(token)
+
+    def _failure(self, what: str = "") -> GrammarLimitError:
+        reason = error_reason(self._matcher.get_error())
+        return GrammarLimitError(f"{self.name}: {what + ': ' if what else ''}{reason}")

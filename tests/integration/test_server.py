@@ -188,6 +188,23 @@ def test_grpc_streaming_matches_the_library(server, expected, model):
         assert (drafted, accepted) == (0, 0)
 
 
+def test_stream_each_token_sends_a_response_per_token_with_the_same_text(server, expected):
+    """The lookahead model accepts several tokens per step here; each goes out in its own response."""
+    stream = GrpcStream(server)
+    try:
+        options = {"max_tokens": MAX_TOKENS, "temperature": 0, "stream_each_token": True}
+        flags = {f"return_{name}": True for name in ("finish_reason", "num_output_tokens", "perf_metrics")}
+        stream.send("lookahead", grpc_inputs(PROMPT, sampling_parameters=options, **flags), request_id="each")
+        responses = stream.collect()
+    finally:
+        stream.close()
+    assert [int(r.as_numpy("num_output_tokens")[0]) for r in responses] == [1] * MAX_TOKENS
+    assert "".join(r.as_numpy("text_output")[0].decode() for r in responses) == expected["text"]
+    reasons = [r.as_numpy("finish_reason")[0].decode() for r in responses]
+    assert reasons == ["None"] * (MAX_TOKENS - 1) + ["length"]
+    assert int(responses[-1].as_numpy("num_decoding_steps")[0]) < MAX_TOKENS - 1  # steps held several
+
+
 def test_http_generate_stream_and_generate_match_the_library(server, expected):
     body = {"text_input": PROMPT, "stream": True, "parameters": {"max_tokens": MAX_TOKENS, "temperature": 0}}
     events = generate_stream(server, "lookahead", body)

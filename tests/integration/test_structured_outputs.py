@@ -8,18 +8,18 @@ import json
 import re
 
 import pytest
-from transformers import AutoTokenizer
 
 from bench.json_extraction import json_extraction_prompts, schema_errors
 from client.api import Completion, LookaheadClient
-from lookahead.models.embedded import prepare_default_model
+from lookahead.models.embedded import DEFAULT_MODEL
+from lookahead.models.loading import load_tokenizer
 from tests.integration.test_server import is_ready, post
 
 
 @pytest.fixture(scope="module")
 def extraction() -> tuple[str, dict]:
     """A chat prompt of the JSON-extraction set and its schema."""
-    tokenizer = AutoTokenizer.from_pretrained(prepare_default_model())
+    tokenizer = load_tokenizer(DEFAULT_MODEL)
     prompt = json_extraction_prompts(1)[0]
     text = tokenizer.apply_chat_template(
         [{"role": "user", "content": prompt.instruction}], tokenize=False, add_generation_prompt=True

@@ -315,6 +315,45 @@ def test_vllm_metrics_count_real_requests_with_vllms_names_labels_and_buckets(
     assert after[first_n_bucket] == after["vllm:request_params_n_count"]  # every n is 1
 
 
+def test_custom_sampling_params_n_returns_every_sample_and_counts_request_params_n(server):
+    """As the vLLM backend's test_custom_sampling_params (n 2, temperature 1): an element per sample
+    in each output, sample i the lone request's sample of seed + i, vllm:request_params_n its n."""
+    options = {"n": "2", "temperature": "1", "max_tokens": "8", "seed": "11", "ignore_eos": "true"}
+    flags = {"return_finish_reason": True, "return_num_output_tokens": True, "exclude_input_in_output": True}
+    before = vllm_values(scrape(server), "lookahead")
+    [(whole, error)] = infer(
+        server.grpc_url,
+        "lookahead",
+        tensors(PROMPT, stream=False, sampling_parameters=options, **flags),
+        "n2",
+    )
+    assert error is None, error
+    samples = [text.decode() for text in whole.as_numpy("text_output")]
+    assert whole.as_numpy("num_output_tokens").tolist() == [8, 8]
+    assert [reason.decode() for reason in whole.as_numpy("finish_reason")] == ["length", "length"]
+    after = vllm_values(scrape(server), "lookahead")  # applied before the final response was sent
+    assert after["vllm:request_params_n_count"] - before.get("vllm:request_params_n_count", 0) == 1
+    assert after["vllm:request_params_n_sum"] - before.get("vllm:request_params_n_sum", 0) == 2
+    for index, sample in enumerate(samples):
+        lone = {**options, "n": "1", "seed": str(11 + index)}
+        [(result, _)] = infer(
+            server.grpc_url,
+            "lookahead",
+            tensors(PROMPT, stream=False, sampling_parameters=lone, **flags),
+            f"n1-{index}",
+        )
+        assert result.as_numpy("text_output")[0].decode() == sample
+    streamed = infer(
+        server.grpc_url,
+        "lookahead",
+        tensors(PROMPT, stream=True, sampling_parameters=options, **flags),
+        "n2-stream",
+    )
+    assert all(result.as_numpy("text_output").shape == (2,) for result, _ in streamed)
+    assert ["".join(r.as_numpy("text_output")[i].decode() for r, _ in streamed) for i in (0, 1)] == samples
+    assert [reason.decode() for reason in streamed[-1][0].as_numpy("finish_reason")] == ["length", "length"]
+
+
 # check_health_test
 
 

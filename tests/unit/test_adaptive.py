@@ -6,19 +6,17 @@ import random
 
 import pytest
 
+from lookahead.algorithm.cost_priors import GPU_PRIOR, PRIORS, STOCK_CPU_PRIOR
 from lookahead.algorithm.draft import FROM_COPY, FROM_SHARED_TRIE, Draft
 from lookahead.algorithm.planner import (
-    GPU_PRIOR,
     MIN_CALIBRATION,
     NODE_CLASSES,
-    STOCK_CPU_PRIOR,
     Calibration,
     CostModel,
     least_paying_weight,
     node_class,
     plan_step,
 )
-from lookahead.cpu.cost_priors import PRIORS
 from lookahead.cpu.extension import runnable_variants
 from lookahead.models.loading import apply_execution_path
 from lookahead.runtime.decoder import LookaheadDecoder

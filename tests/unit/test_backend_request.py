@@ -31,6 +31,7 @@ from backend.request import (
 from lookahead.algorithm.trie import NGramTrie
 from lookahead.config import LookaheadConfig, SamplingParams, StructuredOutputs
 from lookahead.runtime.decoder import GenerationStats, StepOutput
+from lookahead.runtime.logprobs import Logprob
 from lookahead.state.keeper import TrieKeeper
 from lookahead.state.persistence import load_trie
 from tests.helpers import wait_until
@@ -106,6 +107,7 @@ def test_sampling_parameters_accept_strings_and_ignore_unknown_keys():
         seed=3,
         stop=("\n\n",),
         ignore_eos=True,
+        best_of=1,  # the OpenAI frontend's default, the same as n
     )
 
 
@@ -243,6 +245,31 @@ def test_problems_are_named(tensors, params, message):
     assert message in str(raised.value)
 
 
+def test_n_and_best_of_are_vllms_and_sample_only():
+    request = parse(sampling_parameters=sampling({"n": "2", "best_of": 3, "temperature": 0.8}))
+    assert (request.sampling.n, request.sampling.best_of, request.sampling.samples) == (2, 3, 3)
+    assert request.sampling.logprobs == 0 and request.logprobs_hidden  # computed to rank the samples
+    with pytest.raises(RequestError, match="n must be 1 when using greedy sampling, got 2"):
+        parse(sampling_parameters=sampling({"n": 2}))
+    with pytest.raises(RequestError, match=r"best_of \(3\) above n \(1\) returns the best samples"):
+        parse(sampling_parameters=sampling({"best_of": 3, "temperature": 1}), stream=flag(True))
+    with pytest.raises(RequestError, match="n must be between 1 and 16, got 17"):
+        parse(sampling_parameters=sampling({"n": 17, "temperature": 1}))
+
+
+def test_stream_each_token_comes_from_the_model_unless_the_request_says_otherwise():
+    assert parse().stream_each_token is False
+    each = replace(LIMITS, stream_each_token=True)
+    assert parse(limits=each).stream_each_token is True
+    assert (
+        parse(limits=each, sampling_parameters=sampling({"stream_each_token": "false"})).stream_each_token
+        is False
+    )
+    assert parse({"stream_each_token": True}).stream_each_token is True  # request parameters
+    with pytest.raises(RequestError, match="stream_each_token must be true or false, got 'yes'"):
+        parse(sampling_parameters=sampling({"stream_each_token": "yes"}))
+
+
 def test_lookahead_cannot_be_enabled_on_a_model_serving_without_it():
     baseline = RequestLimits(LookaheadConfig(use_lookahead=False), max_prompt_tokens=20, max_output_tokens=64)
     with pytest.raises(RequestError, match="use_lookahead cannot be enabled"):
@@ -266,6 +293,7 @@ class ScriptedGeneration:
         self.gate = gate
         self.stats = GenerationStats(prompt_tokens=prompt_tokens)
         self.finished = False
+        self.finish_reason: str | None = None
         self.closed = False
         self.in_pool = False  # like Generation: true once its first step (the prefill) ran
         self.cumulative_logprob = None
@@ -283,7 +311,11 @@ class ScriptedGeneration:
         self.stats.output_tokens += len(output.token_ids)
         self.stats.draft_tokens += 2
         self.stats.accepted_draft_tokens += len(output.token_ids) - 1
+        self.finish_reason = output.finish_reason
         self.finished = output.finish_reason is not None
+        if output.logprobs is not None:  # as Generation.commit sums them
+            chosen = sum(position[t].logprob for position, t in zip(output.logprobs, output.token_ids))
+            self.cumulative_logprob = (self.cumulative_logprob or 0.0) + chosen
         return output
 
     def close(self, reason: str = "cancelled") -> None:
@@ -307,12 +339,25 @@ class ScriptedDecoder:
     def fits(self, longest: list[int]) -> bool:
         return self.kv_room is None or sum(longest) <= self.kv_room
 
-    def start(self, prompt_ids, params, lookahead=None, request_id="") -> ScriptedGeneration:
+    def start(self, prompt_ids, params, lookahead=None, request_id="", grammar=None) -> ScriptedGeneration:
         name = chr(prompt_ids[0])
         self.generations[name] = ScriptedGeneration(
             self.scripts[name], len(prompt_ids), self.order, name, self.gate
         )
         return self.generations[name]
+
+    def start_samples(
+        self, prompt_ids, params, lookahead=None, request_id="", grammar=None
+    ) -> list[ScriptedGeneration]:
+        """Sample i runs the script registered for the prompt's first character and i ("a0", "a1"...)."""
+        samples = []
+        for index in range(params.samples):
+            name = f"{chr(prompt_ids[0])}{index}"
+            self.generations[name] = ScriptedGeneration(
+                self.scripts[name], len(prompt_ids), self.order, name, self.gate
+            )
+            samples.append(self.generations[name])
+        return samples
 
     def step(self, generations: list[ScriptedGeneration]) -> list[StepOutput]:
         """Like LookaheadDecoder.step: every generation advances by one step, in the given order."""
@@ -363,7 +408,7 @@ def submit(engine: Engine, prompt: str, **request: Any) -> RequestState:
     state.request = GenerationRequest(
         prompt=prompt,
         prompt_ids=tuple(tokenize(prompt)),
-        sampling=SamplingParams(max_tokens=8),
+        sampling=request.pop("sampling", SamplingParams(max_tokens=8)),
         lookahead=LookaheadConfig(),
         **request,
     )
@@ -394,6 +439,103 @@ def test_streaming_sends_text_deltas_with_final_on_the_last_one():
     assert updates[-1].stats is decoder.generations["a"].stats
     assert decoder.generations["a"].closed
     assert state.first_output_time is not None and state.finish_time >= state.first_output_time
+
+
+def logprob_of(token: int, value: float) -> dict[int, Logprob]:
+    return {token: Logprob(value, 1, chr(token))}
+
+
+def test_stream_each_token_sends_a_steps_tokens_one_response_each():
+    """Three tokens in one step: "H", half of "é" (no text yet), its other half; then a last step."""
+    first = StepOutput(
+        [72, 195, 169],
+        "Hé",
+        logprobs=[logprob_of(72, -0.5), logprob_of(195, -0.25), logprob_of(169, -0.125)],
+        token_texts=["H", "", "é"],
+    )
+    last = StepOutput([33], "!", "stop", logprobs=[logprob_of(33, -1.0)], token_texts=["!"])
+    engine, decoder, recorder = run_engine({"a": [first, last], "b": [replace(first), replace(last)]})
+    each = submit(engine, "a", stream=True, prepend_input=False, stream_each_token=True)
+    whole = submit(engine, "b", stream=True, prepend_input=False)
+    engine.start()
+    recorder.wait_finals(2)
+    engine.stop()
+    updates = recorder.of(each)
+    assert [(u.text, u.num_output_tokens, u.final, u.finish_reason) for u in updates] == [
+        ("H", 1, False, None),
+        ("", 1, False, None),
+        ("é", 1, False, None),
+        ("!", 1, True, "stop"),
+    ]
+    assert [list(u.logprobs[0]) for u in updates] == [[72], [195], [169], [33]]
+    assert [u.stats is not None for u in updates] == [False, False, False, True]
+    assert [(u.text, u.num_output_tokens, u.final) for u in recorder.of(whole)] == [
+        ("Hé", 3, False),
+        ("!", 1, True),
+    ]
+
+
+def test_stream_each_token_reports_the_cumulative_logprob_up_to_each_token():
+    steps_ = [
+        StepOutput(
+            [1, 2], "ab", logprobs=[logprob_of(1, -0.5), logprob_of(2, -0.25)], token_texts=["a", "b"]
+        ),
+        StepOutput([3], "c", "length", logprobs=[logprob_of(3, -1.0)], token_texts=["c"]),
+    ]
+    engine, decoder, recorder = run_engine({"a": steps_})
+    state = submit(engine, "a", stream=True, prepend_input=False, stream_each_token=True)
+    engine.start()
+    recorder.wait_finals(1)
+    engine.stop()
+    assert [u.cumulative_logprob for u in recorder.of(state)] == [-0.5, -0.75, -1.75]
+
+
+def sampled(n: int, best_of: int | None = None) -> SamplingParams:
+    return SamplingParams(max_tokens=8, temperature=1.0, n=n, best_of=best_of)
+
+
+def texts_of(update: Update) -> list[tuple[str, int, str | None]]:
+    return [(piece.text, piece.num_output_tokens, piece.finish_reason) for piece in update.pieces]
+
+
+def test_n_samples_come_back_in_one_response_with_an_element_each():
+    engine, _, recorder = run_engine({"a0": steps("bc", "de"), "a1": steps("x", reason="stop")})
+    state = submit(engine, "a", stream=False, prepend_input=True, sampling=sampled(2))
+    engine.start()
+    recorder.wait_finals(1)
+    engine.stop()
+    (update,) = recorder.of(state)
+    assert update.final and texts_of(update) == [("abcde", 4, "length"), ("ax", 1, "stop")]
+    assert update.stats.output_tokens == 5 and update.stats.prompt_tokens == 1
+
+
+def test_streamed_samples_share_each_response_and_a_finished_one_stays_in_it():
+    engine, _, recorder = run_engine({"a0": steps("bc", "de"), "a1": steps("x", reason="stop")})
+    state = submit(engine, "a", stream=True, prepend_input=False, sampling=sampled(2))
+    engine.start()
+    recorder.wait_finals(1)
+    engine.stop()
+    updates = recorder.of(state)
+    assert [texts_of(u) for u in updates] == [
+        [("bc", 2, None), ("x", 1, "stop")],
+        [("de", 2, "length"), ("", 0, "stop")],
+    ]
+    assert [u.final for u in updates] == [False, True]
+
+
+def test_best_of_returns_the_n_samples_of_highest_cumulative_logprob_best_first():
+    def sample(text: str, logprob: float) -> list[StepOutput]:
+        return [StepOutput([ord(text)], text, "stop", logprobs=[logprob_of(ord(text), logprob)])]
+
+    scripts = {"a0": sample("x", -2.0), "a1": sample("y", -5.0), "a2": sample("z", -0.5)}
+    engine, _, recorder = run_engine(scripts)
+    state = submit(engine, "a", stream=False, prepend_input=False, sampling=sampled(2, best_of=3))
+    engine.start()
+    recorder.wait_finals(1)
+    engine.stop()
+    (update,) = recorder.of(state)
+    assert [piece.text for piece in update.pieces] == ["z", "x"]
+    assert [piece.cumulative_logprob for piece in update.pieces] == [-0.5, -2.0]
 
 
 def test_non_streaming_sends_one_response_with_the_prompt_prepended():
@@ -686,8 +828,6 @@ def test_the_openai_frontends_defaults_are_accepted():
 @pytest.mark.parametrize(
     ("options", "key"),
     [
-        ({"n": 2}, "n=2"),
-        ({"best_of": "3"}, 'best_of="3"'),
         ({"use_beam_search": "true"}, 'use_beam_search="true"'),
         ({"lora_name": "french"}, 'lora_name="french"'),
         (
@@ -1058,3 +1198,65 @@ def test_return_perf_metrics_is_refused_where_acceptance_outputs_are_off():
     with pytest.raises(RequestError, match="return_perf_metrics is turned off on this model"):
         parse(limits=private, return_perf_metrics=flag)
     assert not parse(limits=private, return_perf_metrics=np.array([False])).return_perf_metrics
+
+
+# Hostile values: a precise INVALID_ARG naming the key, never INTERNAL, never the whole value echoed
+
+NESTED = "[" * 100_000
+
+
+@pytest.mark.parametrize(
+    ("options", "key"),
+    [
+        ({"structured_outputs": NESTED}, "structured_outputs"),
+        ({"stop_token_ids": NESTED}, "stop_token_ids"),
+        ({"logit_bias": NESTED}, "logit_bias"),
+        ({"guided_json": NESTED}, "guided_json"),
+        ({"bad_words": NESTED}, "bad_words"),
+    ],
+)
+def test_json_text_nested_too_deeply_is_refused_naming_its_key(options, key):
+    with pytest.raises(RequestError, match=rf"^{key}.*nested too deeply") as raised:
+        parse(sampling_parameters=sampling(options))
+    assert len(str(raised.value)) < 300
+
+
+@pytest.mark.parametrize(
+    ("options", "where"),
+    [
+        ({"stop_words": ["ok", "\ud800"]}, "stop_words[1]"),
+        ({"stop": "\udfff"}, "stop"),
+        ({"structured_outputs": {"regex": "a\ud800"}}, "structured_outputs.regex"),
+        ({"logit_bias": {"\ud800": 1}}, "logit_bias"),
+    ],
+)
+def test_lone_surrogates_are_refused_naming_where_they_are(options, where):
+    with pytest.raises(RequestError, match=r"lone surrogate") as raised:
+        parse(sampling_parameters=sampling(options))
+    assert str(raised.value).startswith(f"sampling_parameters.{where}")
+
+
+def test_a_number_too_long_for_python_is_refused_not_an_internal_error():
+    with pytest.raises(RequestError, match="sampling_parameters"):
+        parse(sampling_parameters=strings('{"max_tokens": ' + "9" * 5000 + "}"))
+    with pytest.raises(RequestError, match="max_tokens"):
+        parse(sampling_parameters=sampling({"max_tokens": "9" * 5000}))
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"stop_words": ["x" * 500_000]},
+        {"stop_words": "x" * 500_000},
+        {"stop": [1] * 100_000},
+        {"temperature": "x" * 500_000},
+        {"structured_outputs": {"json": "x" * 500_000}},
+        {"decoding_mode": "x" * 500_000},
+    ],
+)
+def test_a_refusal_quotes_at_most_the_start_of_a_huge_value(options):
+    with pytest.raises(RequestError) as raised:
+        parse(sampling_parameters=sampling(options))
+    message = str(raised.value)
+    assert len(message) < 500, message[:200]
+    assert next(iter(options)) in message

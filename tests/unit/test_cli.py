@@ -161,16 +161,14 @@ def test_python_m_lookahead_runs_the_cli() -> None:
     assert len(json.loads(done.stdout.splitlines()[-1])["token_ids"]) == 3
 
 
-def test_prepare_converts_the_default_model_unless_told_others(capsys, monkeypatch) -> None:
+def test_prepare_readies_the_default_model_unless_told_others(capsys, monkeypatch) -> None:
     import lookahead.cli as cli
 
     prepared: list[str] = []
-    searched: list[str] = []
-    monkeypatch.setattr(cli, "prepare_embedded_model", lambda name: prepared.append(name) or f"/cache/{name}")
-    monkeypatch.setattr(cli, "prepare_integer_forms", lambda name: searched.append(name) or "searched")
+    monkeypatch.setattr(cli, "prepare_gguf", lambda name: prepared.append(name) or f"/cache/{name}.gguf")
+    monkeypatch.setattr(cli, "prepare_integer_forms", lambda name: pytest.fail("a GGUF model was searched"))
     assert main(["prepare"]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("smollm2-135m-instruct: /cache/smollm2-135m-instruct\n")
-    assert out.endswith("smollm2-135m-instruct: searched\n")
+    assert out.startswith("smollm2-135m-instruct: /cache/smollm2-135m-instruct.gguf\n")
     assert main(["prepare", "qwen2.5-coder-0.5b-instruct"]) == 0
-    assert prepared == searched == ["smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct"]
+    assert prepared == ["smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct"]

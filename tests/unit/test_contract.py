@@ -15,7 +15,13 @@ from backend.request import DictInputs, RequestLimits, parse_request
 from backend.sampling_keys import SUPPORTED
 from frontend.protocol import CompletionRequest
 from lookahead.config import LookaheadConfig
-from lookahead.contract import LOOKAHEAD_OVERRIDES, REQUEST_KEYS, SAMPLING_KEYS, STRUCTURED_OUTPUTS
+from lookahead.contract import (
+    LOOKAHEAD_OVERRIDES,
+    REQUEST_KEYS,
+    SAMPLING_KEYS,
+    STREAM_EACH_TOKEN,
+    STRUCTURED_OUTPUTS,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 INSTANCE = LookaheadConfig(decoding_length=16, branch_length=8, debug=True)
@@ -34,7 +40,7 @@ OVERRIDDEN = {
 
 def test_the_backend_converts_every_sampling_key_the_contract_names() -> None:
     assert tuple(SUPPORTED) == SAMPLING_KEYS
-    assert REQUEST_KEYS == (*SAMPLING_KEYS, STRUCTURED_OUTPUTS, *LOOKAHEAD_OVERRIDES)
+    assert REQUEST_KEYS == (*SAMPLING_KEYS, STRUCTURED_OUTPUTS, *LOOKAHEAD_OVERRIDES, STREAM_EACH_TOKEN)
 
 
 @pytest.mark.parametrize("key", LOOKAHEAD_OVERRIDES)

@@ -9,6 +9,7 @@ that every retrieved draft is really fed.
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -226,3 +227,27 @@ def test_tokens_accepted_after_a_stop_string_are_not_counted_nor_learned(tiny_mo
     assert gen.stats.output_tokens == 5
     assert trie.match(list(b"OPy")) == NO_NODE  # "y" was never output, so never learned
     assert trie.match(list(b"TOP")) != NO_NODE
+
+
+@pytest.mark.parametrize("with_stop", [False, True])
+def test_each_tokens_text_is_what_plain_decoding_streams_for_it(
+    tiny_model, byte_tokenizer, with_stop
+) -> None:
+    """Byte tokens, so a character may span tokens; drafts that the model accepts, so steps hold several."""
+    model = tiny_model("llama")
+    prompt = list("héllo wörld, héllo wörld, ".encode())
+    plain = LookaheadDecoder(model, byte_tokenizer, None, LookaheadConfig(use_lookahead=False))
+    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+    if with_stop:  # a stop string that the output holds: the stream ends inside a step
+        text = "".join(out.text for out in plain.stream(prompt, params))
+        params = replace(params, stop=(text[len(text) // 2 : len(text) // 2 + 2],))
+    streamed = [(out.token_ids, out.text) for out in plain.stream(prompt, params)]
+    assert all(len(ids) == 1 for ids, _ in streamed)  # plain decoding: a token per step
+    trie = NGramTrie(capacity=10_000, max_depth=9)
+    trie.insert(prompt[-3:] + [token for ids, _ in streamed for token in ids])
+    outputs = list(make_decoder(model, byte_tokenizer, trie, "hier").stream(prompt, params))
+    assert any(len(out.token_ids) > 1 for out in outputs)
+    assert all(len(out.token_texts) == len(out.token_ids) for out in outputs)
+    assert all("".join(out.token_texts) == out.text for out in outputs)
+    assert [text for out in outputs for text in out.token_texts] == [text for _, text in streamed]
+    assert outputs[-1].finish_reason == ("stop" if with_stop else "length")

@@ -82,3 +82,21 @@ def test_stop_drains_the_instances_before_it_signals_the_server(tmp_path):
     assert server.stop(timeout_s=30, signum=signal.SIGTERM) == 0
     assert marker.read_text() == "drained"
     assert not drain.folder.exists()  # removed once the server and its instances are gone
+
+
+def test_the_last_instance_to_leave_an_orphaned_drain_folder_removes_it(tmp_path):
+    folder = tmp_path / "lookahead-drain-x"
+    folder.mkdir()
+    sibling = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        (folder / f"{sibling.pid}.serving").touch()  # a sibling instance, still running
+        (folder / "999999999.serving").touch()  # one that was killed without leaving
+        watch = watch_drain(lambda: None, env={DRAIN_ENV: str(folder)})
+        watch.leave()
+        assert folder.is_dir() and not (folder / f"{os.getpid()}.serving").exists()
+    finally:
+        sibling.kill()
+        sibling.wait()
+    watch = watch_drain(lambda: None, env={DRAIN_ENV: str(folder)})
+    watch.leave()  # the last one: nobody else registered is alive
+    assert not folder.exists()

@@ -3,12 +3,14 @@ field, vLLM's logprobs JSON -> OpenAI's logprobs, Triton's error messages -> HTT
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
 import pytest
 from pydantic import ValidationError
 
+from frontend import app
 from frontend.app import ChatFormat, TextFormat, with_prompt_logprobs
 from frontend.errors import APIError, from_triton, from_validation
 from frontend.protocol import ChatCompletionRequest, CompletionRequest
@@ -119,7 +121,7 @@ def test_chat_messages_reach_the_template_as_text():
 @pytest.mark.parametrize(
     ("schema", "body", "param", "words"),
     [
-        (ChatCompletionRequest, {"n": 2}, "n", "only n=1"),
+        (ChatCompletionRequest, {"n": 17}, "n", "less than or equal to 16"),
         (ChatCompletionRequest, {"tools": [{"type": "function"}]}, "tools", "not supported"),
         (ChatCompletionRequest, {"audio": {"voice": "x"}}, "audio", "not supported"),
         (ChatCompletionRequest, {"top_logprobs": 2}, "top_logprobs", "needs logprobs"),
@@ -139,7 +141,7 @@ def test_chat_messages_reach_the_template_as_text():
         ),
         (ChatCompletionRequest, {"messages": [{"role": "tool", "content": "x"}]}, "messages.0.role", "user"),
         (CompletionRequest, {"prompt": ["a", "b"]}, "prompt", ""),
-        (CompletionRequest, {"prompt": "a", "best_of": 2}, "best_of", ""),
+        (CompletionRequest, {"prompt": "a", "best_of": 0}, "best_of", "greater than or equal to 1"),
     ],
 )
 def test_a_refusal_names_the_field(schema, body, param, words):
@@ -215,3 +217,62 @@ def test_the_first_chat_chunk_names_the_role_and_the_last_has_only_the_finish_re
 def test_triton_errors_map_to_statuses(message, status):
     error = from_triton(message)
     assert (error.status, error.message) == (status, message)
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        "the queue is full (256 requests wait, max_queued_requests); retry later",
+        "the request waited 5.2 s in the queue, more than queue_timeout_s (5); retry later",
+        "the server is shutting down; the request was not completed",
+        "the model is being unloaded; the request was not completed",
+    ],
+)
+def test_a_busy_or_stopping_server_is_503_with_retry_after(message):
+    error = from_triton(message)
+    assert (error.status, error.kind, error.retry_after_s) == (503, "server_error", 1)
+    assert error.response().headers["retry-after"] == "1"
+
+
+def test_n_and_best_of_go_to_the_server_as_vllms_keys():
+    assert chat(n=3, temperature=0.7).sampling_parameters() == {"n": 3, "temperature": 0.7}
+    completion = CompletionRequest.model_validate({"model": "m", "prompt": "p", "n": 2, "best_of": 4})
+    assert completion.sampling_parameters() == {"n": 2, "best_of": 4}
+
+
+class Connected:
+    """A client that never leaves."""
+
+    async def race(self, awaitable):
+        return await awaitable
+
+    def close(self) -> None:
+        pass
+
+
+def test_streamed_choices_carry_their_index_and_each_its_own_finish_reason():
+    responses = [
+        [Piece("Hi", 1, 3, index=0), Piece("Yo", 1, 3, finish_reason="stop", index=1)],
+        [
+            Piece("!", 1, 3, finish_reason="length", index=0, final=True),
+            Piece("", 0, 3, finish_reason="stop", index=1, final=True),
+        ],
+    ]
+
+    async def rest():
+        for pieces in responses[1:]:
+            yield pieces
+
+    async def events() -> list[str]:
+        forms = [ChatFormat(0), ChatFormat(1)]
+        stream = app.stream(rest(), responses[0], Connected(), {"id": "x"}, forms, "", include_usage=True)
+        return [event async for event in stream]
+
+    sent = asyncio.run(events())
+    chunks = [json.loads(event[len("data: ") :]) for event in sent[:-1]]
+    assert sent[-1] == "data: [DONE]\n\n"
+    choices = [
+        (c["index"], c["delta"].get("content"), c["finish_reason"]) for k in chunks[:-1] for c in k["choices"]
+    ]
+    assert choices == [(0, "Hi", None), (1, "Yo", "stop"), (0, "!", "length")]
+    assert chunks[-1]["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}

@@ -12,6 +12,7 @@ import pytest
 from launcher import TritonServerError, cli, free_port, start_server, tritonserver
 from launcher.tritonserver import assemble_backend_directory
 from lookahead.contract import MODEL_ENV
+from tests.gguf_files import Q, write_gguf
 from tests.helpers import write_toy_repository
 
 
@@ -118,6 +119,24 @@ def test_model_override_passes_an_embedded_name_or_a_folder_as_an_absolute_path(
         cli.model_override("no-such-model")
 
 
+def test_model_override_takes_a_gguf_file_by_its_absolute_path_and_refuses_a_bad_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    prepared: list[str] = []
+    monkeypatch.setattr(cli, "prepare_model", prepared.append)
+    monkeypatch.chdir(tmp_path)
+    write_gguf(tmp_path / "tiny.gguf", "qwen2", Q.Q8_0)
+    assert cli.model_override("tiny.gguf") == str(tmp_path / "tiny.gguf")
+    assert prepared == [str(tmp_path / "tiny.gguf")]
+    (tmp_path / "notes.gguf").write_text("not a model")
+    refused = r"^--model: notes.gguf is not a GGUF file \(it starts with b'not '"
+    with pytest.raises(TritonServerError, match=refused):
+        cli.model_override("notes.gguf")
+    with pytest.raises(TritonServerError, match=r"^--model: missing.gguf: no such GGUF file$"):
+        cli.model_override("missing.gguf")
+    assert len(prepared) == 1
+
+
 def test_an_unknown_model_stops_the_launcher_before_any_server_starts(
     capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -125,3 +144,35 @@ def test_an_unknown_model_stops_the_launcher_before_any_server_starts(
     monkeypatch.setenv(MODEL_ENV, "no-such-model")
     assert cli.main(["--http-port", str(free_port())]) == 2
     assert "error: --model 'no-such-model' is neither an embedded model" in capsys.readouterr().err
+
+
+def test_a_busy_port_is_refused_before_the_running_servers_log_is_touched(
+    tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(cli, "LOGS_DIR", tmp_path)
+    monkeypatch.setattr(cli, "start_server", lambda *a, **k: pytest.fail("a server was started"))
+    with socket.socket() as busy:
+        busy.bind(("0.0.0.0", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        log = tmp_path / f"tritonserver-{port}.log"  # the default log of a server on that HTTP port
+        log.write_text("the running server's log\n")
+        assert cli.main(["--http-port", str(port), "--grpc-port", str(free_port())]) == 2
+    assert f"port {port} is already in use" in capsys.readouterr().err
+    assert log.read_text() == "the running server's log\n"
+
+
+def test_the_default_log_is_appended_to(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cli, "LOGS_DIR", tmp_path)
+    started: list[Path] = []
+
+    def start_server(*args, log_file, **kwargs):
+        started.append(log_file)
+        raise TritonServerError("not this time")
+
+    monkeypatch.setattr(cli, "start_server", start_server)
+    port = free_port()
+    (tmp_path / f"tritonserver-{port}.log").write_text("an earlier run\n")
+    assert cli.main(["--http-port", str(port)]) == 1
+    assert started == [tmp_path / f"tritonserver-{port}.log"]
+    assert started[0].read_text() == "an earlier run\n"

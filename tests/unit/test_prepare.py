@@ -12,11 +12,14 @@ from lookahead.cpu import integer_forms
 from lookahead.cpu.extension import runnable_variants
 from lookahead.cpu.packed_linear import linear_groups
 from lookahead.models.loading import load_model
-from tests.helpers import build_tiny_model
+from tests.helpers import build_tiny_model, unavailable
 
-pytestmark = pytest.mark.skipif(
-    not runnable_variants(), reason="this CPU runs no variant of the packed kernel"
-)
+
+@pytest.fixture(autouse=True)
+def a_kernel_variant_runs() -> None:
+    """prepare searches integer forms for the packed kernel only."""
+    if not runnable_variants():
+        unavailable("this CPU runs no variant of the packed kernel")
 
 
 @pytest.fixture

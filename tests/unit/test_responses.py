@@ -205,3 +205,27 @@ def test_the_final_update_is_recorded_before_it_is_sent(responses):
     assert sender.done.wait(5)
     sending.stop()
     assert order == ["record", "send"]
+
+
+def test_a_response_of_several_samples_holds_an_element_per_sample(responses):
+    request = GenerationRequest(
+        prompt="p",
+        prompt_ids=(1, 2),
+        sampling=SamplingParams(max_tokens=4, temperature=1.0, n=2),
+        lookahead=LookaheadConfig(),
+        return_finish_reason=True,
+        return_num_output_tokens=True,
+        return_num_input_tokens=True,
+        return_cumulative_logprob=True,
+    )
+    owner = RequestState(id="a", sender=Sender(), request=request)
+    pieces = (
+        Update(owner, final=False, text="ab", num_output_tokens=2, cumulative_logprob=-1.5),
+        Update(owner, final=False, text="", finish_reason="stop", cumulative_logprob=-0.25),
+    )
+    response = responses.build_response(Update(owner, final=False, samples=pieces))
+    assert response.outputs["text_output"].tolist() == [b"ab", b""]
+    assert response.outputs["finish_reason"].tolist() == [b"None", b"stop"]
+    assert response.outputs["num_output_tokens"].tolist() == [2, 0]
+    assert response.outputs["cumulative_logprob"].tolist() == [-1.5, -0.25]
+    assert response.outputs["num_input_tokens"].tolist() == [2]  # the prompt, shared

@@ -8,14 +8,14 @@ import re
 
 import pytest
 import torch
-from transformers import AutoTokenizer
 
 from bench.json_extraction import json_extraction_prompts, schema_errors
 from lookahead import LookaheadConfig, LookaheadDecoder, NGramTrie, SamplingParams
 from lookahead.algorithm.draft import FROM_GRAMMAR, Draft
 from lookahead.algorithm.retrieval import retrieve_draft
 from lookahead.config import DECODING_MODES, StructuredOutputs
-from lookahead.models.embedded import prepare_default_model
+from lookahead.models.embedded import DEFAULT_MODEL
+from lookahead.models.loading import load_tokenizer
 from lookahead.structured import GrammarCompiler, GrammarMatcher
 
 VOCAB = 49152  # SmolLM2's tokenizer, on tiny random models of the same vocabulary
@@ -40,7 +40,7 @@ CONSTRAINTS = {
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    return AutoTokenizer.from_pretrained(prepare_default_model())
+    return load_tokenizer(DEFAULT_MODEL)
 
 
 @pytest.fixture(scope="module")
@@ -232,17 +232,12 @@ def test_a_bad_constraint_is_refused_naming_its_key_and_reason(compiler, spec, m
         compiler.compile(spec)
 
 
-def test_compiles_are_cached_per_constraint_and_bounded_in_time(tokenizer) -> None:
+def test_compiles_are_cached_per_constraint(tokenizer) -> None:
     compiler = GrammarCompiler(tokenizer, [tokenizer.eos_token_id], VOCAB, timeout_s=30)
     spec = StructuredOutputs("json", json.dumps(SCHEMA))
     assert compiler.compile(spec) is compiler.compile(StructuredOutputs("json", json.dumps(SCHEMA)))
-    # A schema whose grammar takes long to build: thousands of alternatives.
-    huge = {"enum": [f"value number {i} of a long list" for i in range(20_000)]}
-    compiler.timeout_s = 0.05
-    with pytest.raises(
-        ValueError, match=r"structured_outputs.json: the grammar did not compile within 0.05 s"
-    ):
-        compiler.compile(StructuredOutputs("json", json.dumps(huge)))
+    assert compiler.cached(StructuredOutputs("json", json.dumps(SCHEMA), key="guided_json")) is not None
+    assert compiler.cached(StructuredOutputs("json", json.dumps({"type": "integer"}))) is None
 
 
 def test_the_default_model_extracts_json_that_parses_losslessly(default_model) -> None:

@@ -27,6 +27,7 @@ from lookahead.state.sync import (
     check_url,
     decode_entry,
     encode_entry,
+    entry_token_bound,
     redacted,
 )
 from tests.helpers import wait_until
@@ -414,3 +415,100 @@ def test_learn_is_a_per_request_override_with_the_models_default(tmp_path: Path)
     assert request({"learn": "true"}).lookahead.learn is True
     with pytest.raises(RequestError, match="learn must be true or false, got .perhaps."):
         request({"learn": "perhaps"})
+
+
+# Whatever a peer (or anyone with the Redis URL) writes, the sync thread goes on
+
+
+def test_an_id_too_long_for_python_is_refused_as_an_entry_error() -> None:
+    fields = {b"v": b"1", b"src": b"a", b"ids": b"1," + b"9" * 5000}
+    with pytest.raises(EntryError, match="outside the vocabulary") as error:
+        decode_entry(fields, vocab_size=VOCAB, max_tokens=4096)
+    assert error.value.kind == "ids"
+
+
+def test_every_malformed_entry_is_counted_and_skipped_and_later_ones_arrive(tmp_path: Path) -> None:
+    with running_redis(tmp_path / "redis") as server:
+        client = server.client()
+        client.xadd(KEY, encode_entry([1, 2], "x"))
+        client.xadd(KEY, {"v": "1", "src": "x", "ids": "1," + "9" * 5000})  # int() refuses it
+        last_bad = client.xadd(KEY, {"v": "1", "src": b"\xff", "ids": "3"}).decode()  # fine: any source
+        client.xadd(KEY, {"v": "1", "src": "x", "ids": "4,4", "extra": "\x00" * 10}).decode()
+        last = client.xadd(KEY, {"v": "1", "src": "x", "ids": "1" * 10}).decode()  # outside the vocabulary
+        keeper = TrieKeeper(NGramTrie(1000, 4), tmp_path / "t.trie", "fp", interval_s=0, log=Log())
+        keeper.join(make_sync(server.url, Log(), max_tokens=1000))
+        assert keeper.sync.counts["rejected"] == 2 and keeper.sync.alive
+        assert keeper.trie.match([4, 4]) != -1 and keeper.trie.match([3]) != -1
+        client.xadd(KEY, encode_entry([5, 6], "x"))
+        assert wait_until(lambda: keeper.sync.counts["received"] == 4)
+        keeper.between_steps()
+        assert keeper.trie.match([5, 6]) != -1
+        keeper.close()
+        assert last_bad < last
+        # the snapshot's position passed the rejected entries: a restart does not read them again
+        snapshot = load_snapshot(tmp_path / "t.trie", capacity=1000, max_depth=4, fingerprint="fp")
+        assert snapshot.stream["cursor"] > last
+
+
+def test_a_rejected_last_entry_still_moves_the_snapshots_position(tmp_path: Path) -> None:
+    with running_redis(tmp_path / "redis") as server:
+        client = server.client()
+        client.xadd(KEY, encode_entry([1, 2], "x"))
+        bad = client.xadd(KEY, {"v": "1", "src": "x", "ids": "1," + "9" * 5000}).decode()
+        keeper = TrieKeeper(NGramTrie(1000, 4), tmp_path / "t.trie", "fp", interval_s=0, log=Log())
+        keeper.join(make_sync(server.url, Log(), max_tokens=1000))
+        keeper.close()
+        assert keeper.stream["cursor"] == bad
+
+
+# The thread is killed on purpose (an exception no thread catches).
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_sync_thread_that_died_is_restarted_between_steps(tmp_path: Path, monkeypatch) -> None:
+    with running_redis(tmp_path / "redis") as server:
+        log = Log()
+        keeper = TrieKeeper(NGramTrie(1000, 4), tmp_path / "t.trie", "fp", interval_s=0, log=log)
+        sync = make_sync(server.url, Log())
+        keeper.join(sync)
+        serve = sync._serve
+
+        def dies(client) -> None:
+            monkeypatch.setattr(sync, "_serve", serve)  # the next thread serves normally
+            raise SystemExit("killed")  # not an Exception: nothing in the thread catches it
+
+        monkeypatch.setattr(sync, "_serve", dies)
+        server.client().client_kill_filter(_type="normal", skipme=True)  # the thread reconnects into dies()
+        assert wait_until(lambda: not sync.alive)
+        server.client().xadd(KEY, encode_entry([7, 8], "x"))
+        keeper.between_steps()
+        assert sync.alive and any("restart" in line for line in log.lines)
+        assert wait_until(lambda: sync.counts["received"] == 1)
+        keeper.between_steps()
+        assert keeper.trie.match([7, 8]) != -1
+        keeper.close()
+
+
+def test_reading_pauses_while_too_many_received_tokens_wait(tmp_path: Path) -> None:
+    with running_redis(tmp_path / "redis") as server:
+        client = server.client()
+        for i in range(30):
+            client.xadd(KEY, encode_entry([i] * 1000, "x"))
+        sync = make_sync(server.url, Log(), max_tokens=1000, max_waiting_tokens=5000)
+        sync.start()
+        try:
+            time.sleep(1.0)
+            assert 0 < sum(len(e.tokens) for e in sync.inbox) <= 5000
+            assert not sync.caught_up.is_set()  # paused, not at the end
+            taken = []
+            assert wait_until(lambda: taken.extend(sync.take()) or len(taken) == 30, 30)
+            assert [e.tokens[0] for e in taken] == list(range(30))
+        finally:
+            sync.stop()
+
+
+def test_an_honest_entry_as_long_as_the_context_is_accepted() -> None:
+    bound = entry_token_bound(context_length=8192)
+    output = encode_entry([7] * 8192, "peer")  # a peer's prompt tail and output fill the context
+    assert decode_entry(as_fields(output), vocab_size=VOCAB, max_tokens=bound)[1] == [7] * 8192
+    with pytest.raises(EntryError, match="more than 8192"):
+        decode_entry(as_fields(encode_entry([7] * 8193, "peer")), vocab_size=VOCAB, max_tokens=bound)
+    assert entry_token_bound(context_length=None) >= 131_072

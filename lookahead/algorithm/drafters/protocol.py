@@ -35,6 +35,9 @@ class DraftRequest:
     trie_depth: int  # the longest n-gram the instance's trie holds
     stop_tokens: frozenset[int]  # tokens that end the request: nothing is drafted below one
     stop_words: frozenset[int]  # LookaheadConfig.stop_words as token ids
+    # Where the request is one of several samples of its prompt and the instance's trie does not
+    # learn their outputs: the trie that holds the prompt and every sample's output (None: none).
+    siblings: NGramTrie | None = None
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,10 @@
 """The trie drafter: Lookahead's own retrieval (retrieval.py) over three sources of evidence.
 
 The request's own trie (its prompt, and its output where the instance's trie does not learn
-it), the instance's shared trie (every earlier output), and a copy of what followed the longest
-earlier repeat of the request's latest tokens (spans.py). Under a structured-output grammar,
-retrieval searches only among the nodes the grammar admits.
+it; shared with the other samples of its prompt, whose outputs it holds too), the instance's
+shared trie (every earlier output), and a copy of what followed the longest earlier repeat of
+the request's latest tokens (spans.py). Under a structured-output grammar, retrieval searches
+only among the nodes the grammar admits.
 """
 
 from __future__ import annotations
@@ -35,10 +36,16 @@ class TrieDrafter:
         # outrank the prompt's own evidence.
         learns_output = request.shared is None or not request.config.learn
         depth = request.trie_depth
-        capacity = (len(request.prompt) + (request.max_tokens if learns_output else 0)) * depth + 1
-        self.local = NGramTrie(capacity=capacity, max_depth=depth)
-        writer = self.local.writer()
-        writer.feed(request.prompt)
+        if request.siblings is not None:  # the samples' common trie, which holds the prompt already
+            self.local = request.siblings
+            writer = self.local.writer()
+            tail = max(0, len(request.prompt) - request.config.max_query_length + 1)
+            writer.feed(request.prompt[tail:])  # the context the output goes on from
+        else:
+            capacity = (len(request.prompt) + (request.max_tokens if learns_output else 0)) * depth + 1
+            self.local = NGramTrie(capacity=capacity, max_depth=depth)
+            writer = self.local.writer()
+            writer.feed(request.prompt)
         self.writer = writer if learns_output else None
         self.spans = SpanIndex(request.prompt)
 
