@@ -237,20 +237,20 @@ def _one_mask(config: Any) -> bool:
 
 
 def _stack_probe(lean: LeanLlamaModel, stack: Any) -> torch.Tensor:
-    """Hidden states of a stack over a fresh pool: a 24-token prompt in slot 0, then a 3-node tree
-    (a root and two children) in slot 1 after a 20-token prompt."""
+    """Hidden states of a stack over a fresh pool: a 6-token prompt in slot 0, then a 3-node tree
+    (a root and two children) in slot 1 after a 4-token prompt."""
     config, embeddings = lean.config, lean.embed_tokens
     vocab = embeddings.num_embeddings
     kv_heads = config.num_key_value_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    pool = [torch.zeros(2, kv_heads, 32, head_dim) for _ in range(2 * len(lean.layers))]
+    pool = [torch.zeros(2, kv_heads, 16, head_dim) for _ in range(2 * len(lean.layers))]
     keys, values = pool[: len(lean.layers)], pool[len(lean.layers) :]
     outputs = []
     with torch.inference_mode():
         for slot, tokens, positions, visible in (
-            (0, list(range(11, 35)), list(range(24)), torch.ones(24, 24).tril()),
-            (1, list(range(41, 61)), list(range(20)), torch.ones(20, 20).tril()),
-            (1, [71, 72, 73], [20, 21, 21], torch.tensor([[1.0, 0, 0], [1, 1, 0], [1, 0, 1]])),
+            (0, [11, 12, 13, 14, 15, 16], [0, 1, 2, 3, 4, 5], torch.ones(6, 6).tril()),
+            (1, [21, 22, 23, 24], [0, 1, 2, 3], torch.ones(4, 4).tril()),
+            (1, [31, 32, 33], [4, 5, 5], torch.tensor([[1.0, 0, 0], [1, 1, 0], [1, 0, 1]])),
         ):
             start = positions[0]
             ids = torch.tensor([[t % vocab for t in tokens]])

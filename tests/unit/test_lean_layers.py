@@ -188,19 +188,6 @@ def test_a_fused_stack_that_computes_something_else_is_refused(
     assert not isinstance(sliding.model, LeanLlamaModel)
 
 
-@pytest.mark.skipif(len(runnable_variants()) < 2, reason="this CPU runs only one variant of the kernel")
-@pytest.mark.parametrize("head_dim", [16, 64])
-def test_every_variant_runs_the_fused_layers_to_the_same_bits(head_dim: int) -> None:
-    outputs = []
-    for variant in runnable_variants():
-        extension = load_extension(variant)
-        model = integer_tiny_model("qwen2", extension, head_dim=head_dim)
-        assert use_lean_layers(model, extension, fused=True)
-        assert type(model.model.stack).__name__ == "FusedStack"
-        outputs.append(lean_layers._stack_probe(model.model, model.model.stack))
-    assert all(torch.equal(outputs[0], other) for other in outputs[1:])
-
-
 @pytest.mark.skipif(not runnable_variants(), reason="no variant of the fast CPU path runs on this CPU")
 def test_the_default_model_on_the_integer_kernel_runs_fused_layers_on_int8_activations() -> None:
     from lookahead.models.loading import load_model

@@ -83,74 +83,32 @@ void rotate(float* x, const float* cos, const float* sin, int64_t dim) {
   }
 }
 
-// One query head over the visible entries of its slot, in pool order: softmax(q . k * scaling) . v,
-// for a head of Vectors x 16 values. Every key's score is its own reduction (reduce_add16 does
-// sixteen at once in reduce_add's order) and every output sums the keys in pool order, so what a
-// row sees decides its result, not where the keys fall.
-template <int Vectors>
-void attend(const float* query, const float* keys, const float* values, const RowPlan& row, float scaling,
-            std::vector<float>& scores, std::vector<int32_t>& visible, float* out) {
-  constexpr int64_t dim = Vectors * kLanes;
+// One query head over the visible entries of its slot, in pool order: softmax(q . k * scaling) . v.
+void attend(const float* query, const float* keys, const float* values, const RowPlan& row, int64_t dim,
+            float scaling, std::vector<float>& scores, std::vector<int32_t>& visible, float* out) {
   visible.clear();
   for (int64_t j = 0; j < row.keys; ++j)
     if (row.mask[j] == 0.0f) visible.push_back(static_cast<int32_t>(j));
   const int64_t count = static_cast<int64_t>(visible.size());
   scores.resize(count + kLanes);
-  F32x16 q[Vectors];
-  for (int c = 0; c < Vectors; ++c) q[c] = F32x16::load(query + c * kLanes);
-  const auto product = [&](int64_t i) {
-    const float* key = keys + visible[i] * dim;
-    F32x16 acc = F32x16::mul(q[0], F32x16::load(key));
-    for (int c = 1; c < Vectors; ++c) acc = F32x16::fmadd(q[c], F32x16::load(key + c * kLanes), acc);
-    return acc;
-  };
-  int64_t i = 0;
-  for (; i + kLanes <= count; i += kLanes) {
-    F32x16 products[kLanes];
-    for (int k = 0; k < kLanes; ++k) products[k] = product(i + k);
-    reduce_add16(products, scores.data() + i);
-  }
-  for (; i < count; ++i) scores[i] = reduce_add(product(i));
   float best = -std::numeric_limits<float>::infinity();
-  for (int64_t k = 0; k < count; ++k) {
-    scores[k] *= scaling;
-    best = scores[k] > best ? scores[k] : best;
+  for (int64_t i = 0; i < count; ++i) {
+    const float* key = keys + visible[i] * dim;
+    F32x16 acc = F32x16::mul(F32x16::load(query), F32x16::load(key));
+    for (int64_t d = kLanes; d < dim; d += kLanes) acc = F32x16::fmadd(F32x16::load(query + d), F32x16::load(key + d), acc);
+    scores[i] = reduce_add(acc) * scaling;
+    best = scores[i] > best ? scores[i] : best;
   }
   const F32x16 shift = F32x16::broadcast(best);
-  for (int64_t k = 0; k < count; k += kLanes)
-    exp(F32x16::sub(F32x16::load(scores.data() + k), shift)).store(scores.data() + k);
+  for (int64_t i = 0; i < count; i += kLanes) exp(F32x16::sub(F32x16::load(scores.data() + i), shift)).store(scores.data() + i);
   float total = 0.0f;
-  F32x16 acc[Vectors];
-  for (int c = 0; c < Vectors; ++c) acc[c] = F32x16::zero();
-  for (int64_t k = 0; k < count; ++k) {
-    total += scores[k];
-    const F32x16 weight = F32x16::broadcast(scores[k]);
-    const float* value = values + visible[k] * dim;
-    for (int c = 0; c < Vectors; ++c) acc[c] = F32x16::fmadd(weight, F32x16::load(value + c * kLanes), acc[c]);
+  for (int64_t i = 0; i < count; ++i) total += scores[i];
+  for (int64_t d = 0; d < dim; d += kLanes) {
+    F32x16 acc = F32x16::zero();
+    for (int64_t i = 0; i < count; ++i)
+      acc = F32x16::fmadd(F32x16::broadcast(scores[i]), F32x16::load(values + visible[i] * dim + d), acc);
+    F32x16::div(acc, F32x16::broadcast(total)).store(out + d);
   }
-  const F32x16 divisor = F32x16::broadcast(total);
-  for (int c = 0; c < Vectors; ++c) F32x16::div(acc[c], divisor).store(out + c * kLanes);
-}
-
-using Attend = void (*)(const float*, const float*, const float*, const RowPlan&, float, std::vector<float>&,
-                        std::vector<int32_t>&, float*);
-
-Attend attend_for(int64_t dim) {
-  switch (dim / kLanes) {
-    case 1:
-      return attend<1>;
-    case 2:
-      return attend<2>;
-    case 4:
-      return attend<4>;
-    case 6:
-      return attend<6>;
-    case 8:
-      return attend<8>;
-    case 16:
-      return attend<16>;
-  }
-  return nullptr;
 }
 
 // silu(gate) * up = gate / (1 + e^-gate) * up over `width` values.
@@ -205,8 +163,8 @@ void FusedStack::reset_step_times() const {
 FusedStack::FusedStack(std::vector<LeanLayer> layers_) : layers(std::move(layers_)) {
   for (const auto& layer : layers) {
     const int64_t width = layer.input_norm.weight.numel();
-    TORCH_CHECK(attend_for(layer.head_dim) && width % kLanes == 0 && layer.inner % kLanes == 0,
-                "the fused stack needs head sizes of 16, 32, 64, 96, 128 or 256 and widths that are multiples of 16");
+    TORCH_CHECK(layer.head_dim % kLanes == 0 && width % kLanes == 0 && layer.inner % kLanes == 0,
+                "the fused stack needs head sizes and widths that are multiples of 16");
     TORCH_CHECK(layer.heads % layer.kv_heads == 0, "query heads must be a multiple of the key/value heads");
     for (const auto* norm : {&layer.input_norm, &layer.post_norm})
       TORCH_CHECK(norm->weight.is_contiguous() && norm->weight.scalar_type() == torch::kFloat32, "fp32 norm weights");
@@ -270,7 +228,6 @@ torch::Tensor FusedStack::forward(const torch::Tensor& hidden, const torch::Tens
   const float* cos_data = cos.data_ptr<float>();
   const float* sin_data = sin.data_ptr<float>();
   const int threads = static_cast<int>(std::max<int64_t>(1, at::get_num_threads()));
-  const Attend attention = attend_for(D);
 
 #pragma omp parallel num_threads(threads)
   {
@@ -324,8 +281,8 @@ torch::Tensor FusedStack::forward(const torch::Tensor& hidden, const torch::Tens
       for (int64_t pair = pair_begin; pair < pair_end; ++pair) {
         const int64_t r = pair / heads, head = pair % heads, g = head / (heads / kv_heads);
         const int64_t slot_start = (rows[r].slot * kv_heads + g) * capacity * D;
-        attention(qkv.data() + r * qkv_width + head * D, key_pool + slot_start, value_pool + slot_start, rows[r],
-                  static_cast<float>(layer.scaling), scores, visible, attended.data() + (r * heads + head) * D);
+        attend(qkv.data() + r * qkv_width + head * D, key_pool + slot_start, value_pool + slot_start, rows[r], D,
+               static_cast<float>(layer.scaling), scores, visible, attended.data() + (r * heads + head) * D);
       }
       done(kAttention);
       quantise_rows(o_in, attended.data(), row_begin, row_end);

@@ -309,47 +309,6 @@ inline float reduce_add(const F32x16& x) {
   return _mm_cvtss_f32(one);
 }
 
-// out[k] = reduce_add(v[k]) for sixteen vectors at once, each summed in reduce_add's order: a
-// transposing network of shuffles and additions (45 operations rather than ~10 a vector). Lane L of
-// the network's result holds vector 4 * (L % 4) + L / 4.
-inline void reduce_add16(const F32x16* v, float* out) {
-#if defined(__AVX512F__)
-  __m512 eight[8], four[4];
-  for (int p = 0; p < 8; ++p)  // [v lanes i + (i + 8) | w lanes i + (i + 8)]
-    eight[p] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * p].v, v[2 * p + 1].v, 0x44),
-                             _mm512_shuffle_f32x4(v[2 * p].v, v[2 * p + 1].v, 0xEE));
-  for (int r = 0; r < 4; ++r)  // 128-bit chunk t: vector 4r + t, lanes i + (i + 4)
-    four[r] = _mm512_add_ps(_mm512_shuffle_f32x4(eight[2 * r], eight[2 * r + 1], 0x88),
-                            _mm512_shuffle_f32x4(eight[2 * r], eight[2 * r + 1], 0xDD));
-  const __m512 two0 = _mm512_add_ps(_mm512_shuffle_ps(four[0], four[1], 0x44), _mm512_shuffle_ps(four[0], four[1], 0xEE));
-  const __m512 two1 = _mm512_add_ps(_mm512_shuffle_ps(four[2], four[3], 0x44), _mm512_shuffle_ps(four[2], four[3], 0xEE));
-  const __m512 one = _mm512_add_ps(_mm512_shuffle_ps(two0, two1, 0x88), _mm512_shuffle_ps(two0, two1, 0xDD));
-  alignas(64) float lanes[16];
-  _mm512_store_ps(lanes, one);
-#else
-  __m256 eight[8][2], four[4][2];
-  for (int p = 0; p < 8; ++p) {
-    eight[p][0] = _mm256_add_ps(v[2 * p].lo, v[2 * p].hi);
-    eight[p][1] = _mm256_add_ps(v[2 * p + 1].lo, v[2 * p + 1].hi);
-  }
-  for (int r = 0; r < 4; ++r)
-    for (int h = 0; h < 2; ++h) {
-      const __m256 a = eight[2 * r + h][0], b = eight[2 * r + h][1];
-      four[r][h] = _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
-    }
-  __m256 two0[2], two1[2], one[2];
-  for (int h = 0; h < 2; ++h) {
-    two0[h] = _mm256_add_ps(_mm256_shuffle_ps(four[0][h], four[1][h], 0x44), _mm256_shuffle_ps(four[0][h], four[1][h], 0xEE));
-    two1[h] = _mm256_add_ps(_mm256_shuffle_ps(four[2][h], four[3][h], 0x44), _mm256_shuffle_ps(four[2][h], four[3][h], 0xEE));
-    one[h] = _mm256_add_ps(_mm256_shuffle_ps(two0[h], two1[h], 0x88), _mm256_shuffle_ps(two0[h], two1[h], 0xDD));
-  }
-  alignas(32) float lanes[16];
-  _mm256_store_ps(lanes, one[0]);
-  _mm256_store_ps(lanes + 8, one[1]);
-#endif
-  for (int lane = 0; lane < 16; ++lane) out[4 * (lane % 4) + lane / 4] = lanes[lane];
-}
-
 // The largest lane (exact in any order).
 inline float reduce_max(const F32x16& x) {
   float lanes[16];
