@@ -19,10 +19,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -41,15 +43,28 @@ def execution_paths(kernels: Sequence[str]) -> list[str]:
     return ["stock", *(f"{kernel}-{variant.name}" for kernel in kernels for variant in runnable_variants())]
 
 
+def load_on_path(model_name: str, path: str) -> Any:
+    """The model as a server loads it (a GGUF file's integer forms handed to the packing) on `path`:
+    "stock" or "<kernel>-<variant>"."""
+    if path == "stock":
+        return load_model(model_name, linear_kernel="stock")
+    from lookahead.cpu.extension import VARIANT_ENV
+
+    kernel, _, variant = path.partition("-")
+    saved = os.environ.get(VARIANT_ENV)
+    os.environ[VARIANT_ENV] = variant
+    try:
+        return load_model(model_name, linear_kernel=kernel)
+    finally:
+        if saved is None:
+            del os.environ[VARIANT_ENV]
+        else:
+            os.environ[VARIANT_ENV] = saved
+
+
 def prefilled_decoder(model_name: str, path: str, cached: int) -> LookaheadDecoder:
     """A decoder on `path` whose pool slot 0 holds `cached` entries of a fixed pseudo-random prompt."""
-    loaded = load_model(model_name, linear_kernel="stock")
-    if path != "stock":
-        from lookahead.cpu import apply_fast_path
-        from lookahead.cpu.extension import variant_named
-
-        kernel, _, variant = path.partition("-")
-        apply_fast_path(loaded.model, kernel, variant_named(variant))
+    loaded = load_on_path(model_name, path)
     decoder = LookaheadDecoder(loaded.model, loaded.tokenizer)
     generator = torch.Generator().manual_seed(0)
     prompt = torch.randint(100, len(loaded.tokenizer) - 100, (cached,), generator=generator)

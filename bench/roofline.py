@@ -37,8 +37,9 @@ import torch
 from lookahead.algorithm.draft import Draft
 from lookahead.config import LookaheadConfig, SamplingParams
 from lookahead.models.embedded import DEFAULT_MODEL
-from lookahead.models.loading import load_model
 from lookahead.runtime.decoder import LookaheadDecoder
+
+from .forward_cost import prefilled_decoder
 
 NEW_TOKENS = (1, 2, 4, 8, 16, 32, 64)
 KERNELS = ("packed", "integer")
@@ -109,20 +110,6 @@ def floors_ms(load: Traffic, peaks: Peaks, threads: int) -> tuple[float, float]:
         peaks.fma_gflop_s[threads] * 1e9
     )
     return memory * 1e3, compute * 1e3
-
-
-def prefilled_decoder(model_name: str, kernel: str, variant: str, cached: int) -> LookaheadDecoder:
-    """A decoder on `kernel` / `variant` whose pool slot 0 holds `cached` entries of a fixed prompt."""
-    from lookahead.cpu import apply_fast_path
-    from lookahead.cpu.extension import variant_named
-
-    loaded = load_model(model_name, linear_kernel="stock")
-    apply_fast_path(loaded.model, kernel, variant_named(variant))
-    decoder = LookaheadDecoder(loaded.model, loaded.tokenizer)
-    generator = torch.Generator().manual_seed(0)
-    prompt = torch.randint(100, len(loaded.tokenizer) - 100, (cached,), generator=generator)
-    decoder.start(prompt.tolist()).step()  # prefill: the pool now holds `cached` entries
-    return decoder
 
 
 def forward_seconds(decoder: LookaheadDecoder, q: int, cached: int) -> float:
@@ -278,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
             + ", ".join(f"{g:.0f} GOP/s ({t} thr)" for t, g in p.int8_gop_s.items())
         )
     paths = [(kernel, variant.name) for kernel in args.kernels.split(",") for variant in variants]
-    decoders = {path: prefilled_decoder(args.model, *path, args.cached) for path in paths}
+    decoders = {path: prefilled_decoder(args.model, "-".join(path), args.cached) for path in paths}
     samples: dict[tuple[str, str], dict[int, list[float]]] = {
         path: {q: [] for q in NEW_TOKENS} for path in paths
     }
