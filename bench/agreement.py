@@ -4,14 +4,14 @@ Lookahead is lossless on its own execution path: its greedy output equals plain 
 on the same layers (the decoder benchmark checks that). Against another path, transformers'
 stock layers, the two can part where the model's top two logits are nearly tied, because the
 kernels round differently (the `packed` kernel), or because the activations are quantised (the
-`integer` kernel, `--kernel integer`). This script reports how often they agree over a named
+`integer` kernel, `--kernels integer`). This script reports how often they agree over a named
 prompt set, and for each prompt that differs, the first differing token and the stock model's
 top-2 logit gap there (a near-tie shows as a tiny gap). With `--llama-url`, llama.cpp's own
 greedy output on the same prompt tokens (a running `llama-server` on the GGUF file the model was
 converted from) is held to the same reference: how often the peer agrees with the fp32 model.
 
     python -m bench agreement --model qwen2.5-coder-0.5b-instruct --set code_edit --limit 20
-    python -m bench agreement --kernel integer --llama-url http://127.0.0.1:8080
+    python -m bench agreement --kernels packed,integer --llama-url http://127.0.0.1:8080
 """
 
 from __future__ import annotations
@@ -124,25 +124,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     parser.add_argument(
-        "--kernel", default="packed", choices=("packed", "integer"), help="lookahead's kernel"
+        "--kernels", default="packed", help="lookahead's kernels, comma-separated: packed, integer"
     )
     parser.add_argument("--llama-url", default=None, help="a running llama-server on the model's GGUF file")
     parser.add_argument("--out", type=Path, default=Path("results/agreement.json"))
     args = parser.parse_args(argv)
-    fast = load_model(args.model, threads=args.threads, linear_kernel=args.kernel)
+    kernels = args.kernels.split(",")
+    if not set(kernels) <= {"packed", "integer"}:
+        parser.error(f"--kernels: packed and/or integer, not {args.kernels!r}")
+    fast = [load_model(args.model, threads=args.threads, linear_kernel=kernel) for kernel in kernels]
     stock = load_model(args.model, threads=args.threads, linear_kernel="stock")
     prompt_set = load_prompt_set(args.prompt_set, args.limit)
     prompts = [encode(stock, prompt_set, prompt) for prompt in prompt_set.prompts]
-    candidates = {f"lookahead ({fast.execution})": lookahead_generate(fast)}
+    candidates = {f"lookahead ({loaded.execution})": lookahead_generate(loaded) for loaded in fast}
     if args.llama_url:
         candidates["llama.cpp"] = llama_generate(args.llama_url, stock.eos_token_ids)
-    print(f"{fast.name}: {', '.join(candidates)} vs transformers greedy on {stock.execution}")
+    print(f"{stock.name}: {', '.join(candidates)} vs transformers greedy on {stock.execution}")
     results = compare(candidates, stock, prompts, args.max_new_tokens)
     for name, agreements in results.items():
         print(f"{name}: {summary(agreements)}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     report = {
-        "model": fast.name,
+        "model": stock.name,
         "set": args.prompt_set,
         "max_new_tokens": args.max_new_tokens,
         "stock": stock.execution,
