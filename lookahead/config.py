@@ -19,8 +19,8 @@ DECODING_MODES = ("hier", "par", "one")
 DRAFTER_NAMES = ("trie",)
 # The fast CPU path (lookahead/cpu): "integer" multiplies int8 activations with the integer forms of
 # quantised weights (llama.cpp's arithmetic) in fused layers; "packed" keeps fp32 activations and
-# computes transformers' own bits. "stock": transformers' layers. "auto": integer where the weights
-# have integer forms, else packed, where the fast path runs; else stock.
+# computes transformers' own bits. "stock": transformers' layers. "auto": packed where the fast path
+# runs, else stock.
 LINEAR_KERNELS = ("auto", "integer", "packed", "stock")
 
 

@@ -30,7 +30,7 @@ from .extension import (
     why_no_variant,
 )
 from .lean_layers import use_lean_layers
-from .packed_linear import KnownForms, integer_activations, pack_linear_layers, search_integer_forms
+from .packed_linear import KnownForms, pack_linear_layers, search_integer_forms
 
 logger = logging.getLogger("lookahead")
 
@@ -58,8 +58,8 @@ class FastPath:
 def apply_fast_path(
     model: Any, linear_kernel: str = "auto", variant: Variant | None = None, known: KnownForms | None = None
 ) -> FastPath:
-    """Put `model` on the linear kernel named `linear_kernel` ("auto": integer where the weights
-    have integer forms, else packed, where the fast path can run), on `variant` of the kernel
+    """Put `model` on the linear kernel named `linear_kernel` ("auto": packed where the fast
+    path can run, the arithmetic whose greedy output agrees with transformers'), on `variant` of the kernel
     (None: `chosen_variant()`). `known`: the integer forms the caller knows (see
     packed_linear.KnownForms); on the stock kernel the caller fills those layers itself.
 
@@ -80,10 +80,10 @@ def apply_fast_path(
             raise
         logger.info("linear_kernel auto: stock (%s)", error)
         return FastPath("stock", reason=str(error))
-    activations = "fp32" if linear_kernel == "packed" else "int8"
-    pack_linear_layers(model, extension, known, activations=activations)
     if linear_kernel == "auto":
-        linear_kernel = "integer" if integer_activations(model) else "packed"
+        linear_kernel = "packed"
+    activations = "int8" if linear_kernel == "integer" else "fp32"
+    pack_linear_layers(model, extension, known, activations=activations)
     lean = use_lean_layers(model, extension, fused=linear_kernel == "integer")
     if not lean:
         logger.info("%s kernel: %s keeps transformers' decoder layers", linear_kernel, type(model).__name__)
