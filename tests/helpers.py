@@ -165,6 +165,12 @@ def dequantised(rows: int, inputs: int, bits: int, seed: int) -> torch.Tensor:
     return (d * q).reshape(rows, inputs)
 
 
+def _nonzero(d: torch.Tensor) -> torch.Tensor:
+    """Scales to divide by: a group of equal weights (d == 0, e.g. a padding embedding's zeros) gets
+    q = 0 rather than 0 / 0."""
+    return torch.where(d == 0, torch.ones_like(d), d)
+
+
 def quantise_in_place(model: Any, bits: int) -> None:
     """Quantise every linear layer's weights as llama.cpp's Q4_1 (bits=4: per 32 inputs fp16 d and
     m, q in 0..15) or Q8_0 (bits=8: fp16 d, q in -127..127) would, and dequantise them back: the
@@ -176,11 +182,13 @@ def quantise_in_place(model: Any, bits: int) -> None:
             if bits == 4:
                 m = groups.amin(-1, keepdim=True).half().float()
                 d = ((groups.amax(-1, keepdim=True) - m) / 15).half().float()
-                q = torch.round((groups - m) / d).clamp(0, 15)
+                q = torch.round((groups - m) / _nonzero(d)).clamp(0, 15)
                 rebuilt = d * q + m
             else:
                 d = (groups.abs().amax(-1, keepdim=True) / 127).half().float()
-                rebuilt = d * (torch.round(groups / d).clamp(-127, 127) + 0.0)  # an integer q has no -0
+                rebuilt = d * (
+                    torch.round(groups / _nonzero(d)).clamp(-127, 127) + 0.0
+                )  # an integer q has no -0
             module.weight.data.copy_(
                 rebuilt.reshape(weight.shape).to(module.weight.device, module.weight.dtype)
             )
@@ -193,6 +201,12 @@ def on_fused_layers(model: Any) -> bool:
     return type(stack).__name__ == "FusedStack"
 
 
+def model_eos_ids(model: Any) -> list[int]:
+    """The token ids at which the model's generate() stops (its generation config's EOS)."""
+    eos = model.generation_config.eos_token_id
+    return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+
+
 def plain_greedy(model: Any, prompt: list[int], max_tokens: int) -> list[int]:
     """Plain greedy decoding on the model's execution path, the reference every lossless test
     compares with: transformers' own generate(), or, on the fused layers, the decoder without
@@ -200,14 +214,8 @@ def plain_greedy(model: Any, prompt: list[int], max_tokens: int) -> list[int]:
     if on_fused_layers(model):
         from lookahead import LookaheadConfig, LookaheadDecoder, SamplingParams
 
-        eos = model.generation_config.eos_token_id
-        decoder = LookaheadDecoder(
-            model,
-            ByteTokenizer(),
-            None,
-            LookaheadConfig(use_lookahead=False),
-            eos_token_ids=[] if eos is None else [eos] if isinstance(eos, int) else eos,
-        )
+        config = LookaheadConfig(use_lookahead=False)
+        decoder = LookaheadDecoder(model, ByteTokenizer(), None, config, eos_token_ids=model_eos_ids(model))
         return decoder.generate(prompt, SamplingParams(max_tokens=max_tokens))[0]
     ids = torch.tensor([prompt], device=model.device)
     out = model.generate(
