@@ -1,7 +1,7 @@
 """Every measurement of the project, run as `python -m bench NAME [ARGS]` (`--help` lists them).
 
-In one process, on the library: `decoding`, `forward_cost`, `retrieval_cost`, `grammar_cost`,
-`oracle_bound`, `agreement`, `acceptance`, `device_check`. Through real servers (tritonserver,
+In one process, on the library: `decoding`, `forward_cost`, `roofline`, `retrieval_cost`,
+`grammar_cost`, `oracle_bound`, `agreement`, `acceptance`, `device_check`. Through real servers (tritonserver,
 the OpenAI endpoint, llama-server, Redis): `load_test`, `speedup`, `multi_turn`, `genai_perf`,
 `stall_test`, `structured`, `peer_llama_cpp`, `fleet`, with `ab_repository` to serve two
 revisions side by side. Prompt sets (prompt_sets.py, json_extraction.py) come from data files
@@ -12,6 +12,7 @@ that pip packages ship; stdlib_sets.py builds its own from the interpreter's sta
 BENCHMARKS = {
     "decoding": "the decoder against transformers' greedy and prompt lookup decoding, in one process",
     "forward_cost": "a forward's cost by tokens fed, stock layers and each fast-path variant",
+    "roofline": "each forward width beside this CPU's bandwidth and compute floors; a one-token breakdown",
     "retrieval_cost": "draft retrieval's cost per query on a large trie",
     "grammar_cost": "what a structured-output grammar costs a lookahead step",
     "oracle_bound": "how far a drafter that knows each output could go over plain decoding",

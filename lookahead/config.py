@@ -17,8 +17,11 @@ from typing import Any
 DECODING_MODES = ("hier", "par", "one")
 # What proposes drafts (lookahead/algorithm/drafters: one module each, registered under its name).
 DRAFTER_NAMES = ("trie", "hybrid", "recycled")
-# "packed": the fast CPU path (lookahead/cpu); "stock": transformers' layers; "auto": packed where it runs.
-LINEAR_KERNELS = ("auto", "packed", "stock")
+# The fast CPU path (lookahead/cpu): "integer" multiplies int8 activations with the integer forms of
+# quantised weights (llama.cpp's arithmetic) in fused layers; "packed" keeps fp32 activations and
+# computes transformers' own bits. "stock": transformers' layers. "auto": packed where the fast path
+# runs, else stock.
+LINEAR_KERNELS = ("auto", "integer", "packed", "stock")
 
 
 SHOWN_CHARS = 80  # most characters of a value an error message quotes

@@ -93,12 +93,15 @@ _NOT_ON_THE_CPU = pytest.mark.skipif(
 
 
 # Every execution path, for tests that must hold on each: transformers' layers and every variant
-# of the fast CPU path ("packed-<variant>"). A variant this CPU cannot run is skipped with the
-# reason, and the run's summary says which variants ran (tests/conftest.py).
+# of the fast CPU path's kernels ("packed-<variant>", "integer-<variant>"; the integer kernel on a
+# model whose weights are quantised first, so that it multiplies int8 activations). A variant this
+# CPU cannot run is skipped with the reason, and the run's summary says which variants ran
+# (tests/conftest.py).
 LINEAR_KERNELS = (
     "stock",
     *(
-        pytest.param(f"packed-{v.name}", id=f"packed-{v.name}", marks=[_cannot_run(v), _NOT_ON_THE_CPU])
+        pytest.param(f"{kernel}-{v.name}", id=f"{kernel}-{v.name}", marks=[_cannot_run(v), _NOT_ON_THE_CPU])
+        for kernel in ("packed", "integer")
         for v in VARIANTS
     ),
 )
@@ -133,16 +136,87 @@ def build_tiny_model(
 
 
 def apply_kernel(model: Any, linear_kernel: str) -> None:
-    """Set up a model's execution path: "stock", "packed" (the chosen variant) or "packed-<variant>"."""
+    """Set up a model's execution path: "stock", "packed" or "integer" (the chosen variant), or
+    "<kernel>-<variant>". The integer kernel's models get quantised weights first."""
     kernel, _, variant = linear_kernel.partition("-")
+    if kernel == "integer":
+        quantise_in_place(model, bits=4)
     if variant:
         apply_fast_path(model, kernel, variant_named(variant))
     else:
         apply_execution_path(model, kernel)
 
 
+def dequantised(rows: int, inputs: int, bits: int, seed: int) -> torch.Tensor:
+    """Weights as a Q4_1 (bits=4: d * q + m, q in 0..15) or Q8_0 (bits=8: d * q) checkpoint dequantises.
+
+    As those quantisers do, every group of 32 spans the full q range (its extremes define d).
+    """
+    generator = torch.Generator().manual_seed(seed)
+    groups = inputs // 32
+    d = (torch.rand(rows, groups, 1, generator=generator) * 0.01 + 1e-4).half().float()
+    if bits == 4:
+        q = torch.randint(0, 16, (rows, groups, 32), generator=generator).float()
+        q[..., 0], q[..., 1] = 0, 15
+        m = -(torch.rand(rows, groups, 1, generator=generator) * 0.1).half().float()
+        return (d * q + m).reshape(rows, inputs)
+    q = torch.randint(-127, 128, (rows, groups, 32), generator=generator).float()
+    q[..., 0] = 127
+    return (d * q).reshape(rows, inputs)
+
+
+def _nonzero(d: torch.Tensor) -> torch.Tensor:
+    """Scales to divide by: a group of equal weights (d == 0, e.g. a padding embedding's zeros) gets
+    q = 0 rather than 0 / 0."""
+    return torch.where(d == 0, torch.ones_like(d), d)
+
+
+def quantise_in_place(model: Any, bits: int) -> None:
+    """Quantise every linear layer's weights as llama.cpp's Q4_1 (bits=4: per 32 inputs fp16 d and
+    m, q in 0..15) or Q8_0 (bits=8: fp16 d, q in -127..127) would, and dequantise them back: the
+    model keeps its behaviour, and packing finds an integer form for every matrix."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+            weight = module.weight.detach().float().cpu()
+            groups = weight.reshape(weight.shape[0], -1, 32)
+            if bits == 4:
+                m = groups.amin(-1, keepdim=True).half().float()
+                d = ((groups.amax(-1, keepdim=True) - m) / 15).half().float()
+                q = torch.round((groups - m) / _nonzero(d)).clamp(0, 15)
+                rebuilt = d * q + m
+            else:
+                d = (groups.abs().amax(-1, keepdim=True) / 127).half().float()
+                rebuilt = d * (
+                    torch.round(groups / _nonzero(d)).clamp(-127, 127) + 0.0
+                )  # an integer q has no -0
+            module.weight.data.copy_(
+                rebuilt.reshape(weight.shape).to(module.weight.device, module.weight.dtype)
+            )
+
+
+def on_fused_layers(model: Any) -> bool:
+    """Whether the model's forwards on the decoder's KV pool run the fused layers (the integer
+    kernel), whose arithmetic is not that of the model's other forwards."""
+    stack = getattr(getattr(model, "model", None), "stack", None)
+    return type(stack).__name__ == "FusedStack"
+
+
+def model_eos_ids(model: Any) -> list[int]:
+    """The token ids at which the model's generate() stops (its generation config's EOS)."""
+    eos = model.generation_config.eos_token_id
+    return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+
+
 def plain_greedy(model: Any, prompt: list[int], max_tokens: int) -> list[int]:
-    """transformers' own greedy generate(): the reference every lossless test compares with."""
+    """Plain greedy decoding on the model's execution path, the reference every lossless test
+    compares with: transformers' own generate(), or, on the fused layers, the decoder without
+    lookahead (one token a step, alone), which runs them too."""
+    if on_fused_layers(model):
+        from lookahead import LookaheadConfig, LookaheadDecoder, SamplingParams
+
+        config = LookaheadConfig(use_lookahead=False)
+        decoder = LookaheadDecoder(model, ByteTokenizer(), None, config, eos_token_ids=model_eos_ids(model))
+        return decoder.generate(prompt, SamplingParams(max_tokens=max_tokens))[0]
     ids = torch.tensor([prompt], device=model.device)
     out = model.generate(
         ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, do_sample=False, pad_token_id=0

@@ -21,3 +21,9 @@ AVX512 = {1: 1.0, 2: 1.05, 4: 1.39, 8: 1.96, 16: 3.49, 32: 6.35, 64: 11.74, 128:
 AVX2 = {1: 1.0, 2: 1.22, 4: 1.38, 8: 2.56, 16: 3.57, 32: 6.22, 64: 10.79, 128: 21.5}
 
 PRIORS: dict[str, dict[int, float]] = {"avx512": AVX512, "avx2": AVX2}
+
+
+def cost_prior(kernel: str, variant: str) -> dict[int, float]:
+    """The curve of `kernel` ("integer" or "packed") on `variant` (avxvnni: avx2's); the integer
+    kernel starts from the packed kernel's curve, which the planner's own timings then replace."""
+    return PRIORS["avx2" if variant == "avxvnni" else variant]

@@ -1,9 +1,12 @@
 """The one entry point of the fast CPU path, called by model loading.
 
-`apply_fast_path` swaps modules of a loaded model for faster ones with the same results and says
-what it did: grouped-query SDPA that reads K/V heads in place (attention.py), fp32 linear layers
-packed for the kernel variant this CPU runs best (packed_linear.py), and, where they give the same
-bits, lean decoder layers run from C++ (lean_layers.py).
+`apply_fast_path` swaps modules of a loaded model for faster ones and says what it did:
+grouped-query SDPA that reads K/V heads in place (attention.py), fp32 linear layers packed for the
+kernel variant this CPU runs best (packed_linear.py), and, where they give the same bits, lean
+decoder layers run from C++ (lean_layers.py). On the "packed" kernel every swap keeps the model's
+results bit for bit; on the "integer" kernel the linear layers multiply int8 activations with the
+weights' integer forms and the layers on the decoder's KV pool run fused (csrc/fused_stack.h):
+llama.cpp's arithmetic, whose results still do not depend on what else shares a forward.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from typing import Any
 
 import torch
 
-from ..algorithm.cost_priors import PRIORS
+from ..algorithm.cost_priors import cost_prior
 from ..config import LINEAR_KERNELS
 from .attention import use_grouped_sdpa
 from .extension import (
@@ -36,7 +39,7 @@ logger = logging.getLogger("lookahead")
 class FastPath:
     """What `apply_fast_path` did to a model."""
 
-    linear_kernel: str  # "packed" or "stock"
+    linear_kernel: str  # "integer", "packed" or "stock"
     variant: str | None = None  # the kernel variant, when packed
     cost_prior: dict[int, float] | None = None  # the forward's measured cost curve on this path
     reason: str = ""  # why the stock layers are used, when they are
@@ -46,17 +49,22 @@ class FastPath:
         if self.linear_kernel == "stock":
             return f"stock linear layers ({self.reason})" if self.reason else "stock linear layers"
         layers = "lean layers" if self.lean_layers else "transformers' layers"
+        if self.linear_kernel == "integer":
+            layers = "fused layers" if self.lean_layers else layers
+            return f"integer {self.variant} kernel (int8 activations), {layers}"
         return f"packed {self.variant} kernel, {layers}"
 
 
 def apply_fast_path(
     model: Any, linear_kernel: str = "auto", variant: Variant | None = None, known: KnownForms | None = None
 ) -> FastPath:
-    """Put `model` on the linear kernel named `linear_kernel` ("auto": packed where it can run),
-    on `variant` of the kernel (None: `chosen_variant()`). `known`: the integer forms the caller
-    knows (see packed_linear.KnownForms); on the stock kernel the caller fills those layers itself.
+    """Put `model` on the linear kernel named `linear_kernel` ("auto": packed where the fast
+    path can run, the arithmetic whose greedy output agrees with transformers'), on `variant` of the kernel
+    (None: `chosen_variant()`). `known`: the integer forms the caller knows (see
+    packed_linear.KnownForms); on the stock kernel the caller fills those layers itself.
 
-    Raises ValueError for an unknown name and FastPathUnavailable when "packed" cannot run here.
+    Raises ValueError for an unknown name and FastPathUnavailable when "integer" or "packed"
+    cannot run here.
     """
     if linear_kernel not in LINEAR_KERNELS:
         raise ValueError(f"linear_kernel must be one of {', '.join(LINEAR_KERNELS)}, not {linear_kernel!r}")
@@ -68,15 +76,18 @@ def apply_fast_path(
         variant = variant or chosen_variant()
         extension = load_extension(variant)
     except FastPathUnavailable as error:
-        if linear_kernel == "packed":
+        if linear_kernel != "auto":
             raise
         logger.info("linear_kernel auto: stock (%s)", error)
         return FastPath("stock", reason=str(error))
-    pack_linear_layers(model, extension, known)
-    lean = use_lean_layers(model, extension)
+    if linear_kernel == "auto":
+        linear_kernel = "packed"
+    activations = "int8" if linear_kernel == "integer" else "fp32"
+    pack_linear_layers(model, extension, known, activations=activations)
+    lean = use_lean_layers(model, extension, fused=linear_kernel == "integer")
     if not lean:
-        logger.info("packed kernel: %s keeps transformers' decoder layers", type(model).__name__)
-    return FastPath("packed", variant.name, PRIORS[variant.name], lean_layers=lean)
+        logger.info("%s kernel: %s keeps transformers' decoder layers", linear_kernel, type(model).__name__)
+    return FastPath(linear_kernel, variant.name, cost_prior(linear_kernel, variant.name), lean_layers=lean)
 
 
 def _check_model(model: Any) -> None:

@@ -7,15 +7,19 @@ Qwen2 or Qwen3 model into its lean subclass (`LeanLlamaDecoderLayer`, ...): the 
 the same weights, whose forward runs from C++ (csrc/lean_layer.cpp) and issues the same ATen
 operations in the same order, with q/k/v and gate/up each one kernel call and RoPE applied to q
 and k together; only the cache update between its two halves stays in Python. Being subclasses, the
-layers stay what transformers expects (its output capture finds them by class). A Llama's inner
-model is wrapped in a `LeanLlamaModel`: no transformers wrappers around the layer loop, and on
-the decoder's KV pool the whole loop, pool writes included, is one C++ call (`LeanStack`, which
-applies the step's `PoolStep` as transformers' layers do through `StepCache`). On the pool every
-lean layer attends a ragged step segment by segment, each over its own slot only.
+layers stay what transformers expects (its output capture finds them by class). The inner model
+of a model with one attention mask for every layer (no sliding windows) is wrapped in a
+`LeanLlamaModel`: no transformers wrappers around the layer loop, and on the decoder's KV pool the
+whole loop, pool writes included, is one C++ call (`LeanStack`, which applies the step's
+`PoolStep` as transformers' layers do through `StepCache`). On the pool every lean layer attends a
+ragged step segment by segment, each over its own slot only.
 
 The swap must reproduce the model's own forward bit for bit, which is checked at load (a
 prefill, a masked two-token step, a padded batch); on any difference the model keeps
-transformers' classes.
+transformers' classes. On the integer kernel (`fused`), the forwards on the pool run a
+`FusedStack` instead (csrc/fused_stack.h): the same layers in one parallel region, with its own
+arithmetic for everything but the matrices, checked at load to stay within a rounding-sized
+distance of the lean layers.
 """
 
 from __future__ import annotations
@@ -29,9 +33,9 @@ from transformers import DynamicCache
 from transformers.masking_utils import create_causal_mask
 from transformers.modeling_outputs import BaseModelOutputWithPast
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaModel
-from transformers.models.mistral.modeling_mistral import MistralDecoderLayer
-from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer
-from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer
+from transformers.models.mistral.modeling_mistral import MistralDecoderLayer, MistralModel
+from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer, Qwen2Model
+from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer, Qwen3Model
 
 from ..runtime.kv_pool import StepCache
 from .packed_linear import PackedLinear
@@ -93,13 +97,21 @@ LEAN_CLASSES: dict[type, type] = {
 }
 
 
-class LeanLlamaModel(nn.Module):
-    """A Llama's inner model without transformers' wrappers, for the calls generate() and the
-    decoder make (input ids, an optional mask, positions and cache); any other call goes to the
-    stock LlamaModel, whose modules are this one's. A masked step on the decoder's KV pool runs
-    all layers in one C++ call."""
+# Inner models that LeanLlamaModel stands in for, when every layer takes the same mask.
+ONE_MASK_MODELS = (LlamaModel, MistralModel, Qwen2Model, Qwen3Model)
 
-    def __init__(self, stock: LlamaModel, extension: ModuleType):
+# How far the fused stack's hidden states may lie from the lean layers' (relative, in the 2-norm):
+# its own rounding moves some int8 activations by one step, which moves outputs by ~1e-3.
+FUSED_TOLERANCE = 2e-2
+
+
+class LeanLlamaModel(nn.Module):
+    """A Llama-shaped model's inner model without transformers' wrappers, for the calls generate()
+    and the decoder make (input ids, an optional mask, positions and cache); any other call goes to
+    the stock model, whose modules are this one's. A masked step on the decoder's KV pool runs all
+    layers in one C++ call: `stack`, a LeanStack (the lean layers' bits) or a FusedStack."""
+
+    def __init__(self, stock: nn.Module, extension: ModuleType):
         super().__init__()
         self.config = stock.config
         self.embed_tokens, self.layers, self.norm = stock.embed_tokens, stock.layers, stock.norm
@@ -141,6 +153,8 @@ class LeanLlamaModel(nn.Module):
         if position_ids is None:
             past = cache.get_seq_length() if cache is not None else 0
             position_ids = (torch.arange(hidden_states.shape[1], device=hidden_states.device) + past)[None]
+        if isinstance(attention_mask, dict):  # the decoder's masks by layer type: all of one type here
+            (attention_mask,) = attention_mask.values()
         if attention_mask is not None and attention_mask.dim() == 4:
             mask = attention_mask  # what create_causal_mask returns for a prepared mask, without its work
         else:
@@ -165,9 +179,10 @@ class LeanLlamaModel(nn.Module):
         return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden_states), cache=cache)
 
 
-def use_lean_layers(model: nn.Module, extension: ModuleType) -> bool:
-    """Turn every decoder layer of `model` (and a Llama's inner model) into its lean subclass if
-    that gives the same bits; say if it did."""
+def use_lean_layers(model: nn.Module, extension: ModuleType, fused: bool = False) -> bool:
+    """Turn every decoder layer of `model` (and a one-mask model's inner model) into its lean
+    subclass if that gives the same bits; say if it did. `fused`: forwards on the decoder's KV pool
+    run a FusedStack where the model's shapes allow one and it agrees with the lean layers."""
     layers = [module for module in model.modules() if type(module) in LEAN_CLASSES]
     if not layers or not all(_packed_as_expected(layer) for layer in layers):
         return False
@@ -178,16 +193,76 @@ def use_lean_layers(model: nn.Module, extension: ModuleType) -> bool:
         layer.pool_step = extension.PoolStep
         layer.__class__ = LEAN_CLASSES[type(layer)]  # the same module, its lean subclass
     inner = getattr(model, "model", None)
-    if type(inner) is LlamaModel:  # others build per-layer-type (sliding) masks
+    wrapped = type(inner) in ONE_MASK_MODELS and _one_mask(inner.config)
+    if wrapped:  # others build per-layer-type (sliding) masks
         model.model = LeanLlamaModel(inner, extension)
     if all(torch.equal(a, b) for a, b in zip(_probe(model), before)):
+        if wrapped and fused:
+            use_fused_stack(model.model, extension)
         return True
     for layer, original in zip(layers, originals):
         layer.__class__ = original
         del layer.lean, layer.pool_step
-    if type(inner) is LlamaModel:
+    if wrapped:
         model.model = inner
     return False
+
+
+def use_fused_stack(lean: LeanLlamaModel, extension: ModuleType) -> bool:
+    """Give `lean` a FusedStack for its forwards on the decoder's pool if its shapes allow one and
+    it stays within FUSED_TOLERANCE of the lean layers; say if it did."""
+    try:
+        fused = extension.FusedStack([layer.lean for layer in lean.layers])
+    except RuntimeError:
+        return False
+    expected = _stack_probe(lean, lean.stack)
+    got = _stack_probe(lean, fused)
+    if not bool(torch.isfinite(got).all()):
+        return False
+    if float((got - expected).norm() / expected.norm()) > FUSED_TOLERANCE:
+        return False
+    lean.stack = fused
+    return True
+
+
+def _one_mask(config: Any) -> bool:
+    """Whether every layer of the model attends with the same mask (no sliding window anywhere)."""
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types:
+        return all(kind == "full_attention" for kind in layer_types)
+    return (
+        getattr(config, "sliding_window", None) is None
+        or getattr(config, "use_sliding_window", True) is False
+    )
+
+
+def _stack_probe(lean: LeanLlamaModel, stack: Any) -> torch.Tensor:
+    """Hidden states of a stack over a fresh pool: a 6-token prompt in slot 0, then a 3-node tree
+    (a root and two children) in slot 1 after a 4-token prompt."""
+    config, embeddings = lean.config, lean.embed_tokens
+    vocab = embeddings.num_embeddings
+    kv_heads = config.num_key_value_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    pool = [torch.zeros(2, kv_heads, 16, head_dim) for _ in range(2 * len(lean.layers))]
+    keys, values = pool[: len(lean.layers)], pool[len(lean.layers) :]
+    outputs = []
+    with torch.inference_mode():
+        for slot, tokens, positions, visible in (
+            (0, [11, 12, 13, 14, 15, 16], [0, 1, 2, 3, 4, 5], torch.ones(6, 6).tril()),
+            (1, [21, 22, 23, 24], [0, 1, 2, 3], torch.ones(4, 4).tril()),
+            (1, [31, 32, 33], [4, 5, 5], torch.tensor([[1.0, 0, 0], [1, 1, 0], [1, 0, 1]])),
+        ):
+            start = positions[0]
+            ids = torch.tensor([[t % vocab for t in tokens]])
+            hidden = embeddings(ids)
+            cos, sin = lean.rotary_emb(hidden, position_ids=torch.tensor([positions]))
+            seen = torch.cat([torch.ones(len(tokens), start), visible], 1)
+            mask = torch.zeros(1, 1, *seen.shape).masked_fill_(
+                seen[None, None] == 0, torch.finfo(torch.float32).min
+            )
+            step = lean.pool_step(torch.tensor([[slot, start, len(tokens)]]), None, None, start + len(tokens))
+            outputs.append(stack(hidden, cos, sin, mask, keys, values, step)[0])
+    return torch.cat(outputs)
 
 
 def _packed_as_expected(layer: nn.Module) -> bool:

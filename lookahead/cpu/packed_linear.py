@@ -1,4 +1,4 @@
-"""fp32 linear layers packed once for the fast CPU kernel (csrc/packed_linear.cpp).
+"""fp32 linear layers packed once for the fast CPU kernels (csrc/packed_linear.cpp, csrc/integer_linear.cpp).
 
 Stock fp32 linear layers re-pack their weights on every matrix-matrix call, so verifying a
 16-token draft tree costs about 2x a one-token step. `pack_linear_layers` swaps every fp32
@@ -10,8 +10,13 @@ every integer is in 0..15 (int4 form), plus the scales, so a step streams a sixt
 the fp32 bytes. A caller that knows a layer's form (a GGUF file's blocks: KnownForms) hands it
 over instead, and that weight never exists in fp32.
 
-The kernel's results do not depend on the number of rows fed together, so plain and
-speculative decoding on this path produce the same logits bit for bit.
+Two kinds of activations meet those integers. fp32 activations ("packed" kernel): the kernel
+rebuilds every weight bit for bit and computes what nn.Linear computes, to the rounding of one
+fused multiply-add chain. int8 activations ("integer" kernel, where the weights have an integer
+form and a multiple of 32 inputs): each row is quantised per block of 32 and multiplied in
+integers, as llama.cpp does (csrc/integer_linear.h has the arithmetic). Either way a row's
+result does not depend on the other rows fed with it, so plain and speculative decoding on one
+path produce the same logits bit for bit.
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ from torch import nn
 from .integer_forms import IntegerForm, cached_integer_form
 
 _LANES = 16  # outputs per packed block, as in csrc/packed_linear.cpp
+_ACTIVATION_BLOCK = 32  # inputs per activation scale of the integer kernel
+ACTIVATIONS = ("fp32", "int8")
 
 
 class LogicalForm(Protocol):
@@ -51,30 +58,70 @@ FUSED_SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 class PackedWeights(nn.Module):
     """The weights of one or more fp32 linear layers (same input) packed for the kernel.
 
-    Kept as integer blocks (`form` int8 or int4) when exactly representable, else as fp32. Fused
-    siblings share one kernel call: the product is kept, keyed by the input tensor's identity,
-    until every sibling has taken it.
+    Kept as integer blocks (`form` int8 or int4) when exactly representable, else as fp32.
+    activations "int8" multiplies an integer form with quantised activations where it can (a
+    multiple of 32 inputs), else fp32 activations are used. Fused siblings share one kernel call:
+    the product is kept, keyed by the input tensor's identity, until every sibling has taken it.
     """
 
-    def __init__(self, linears: list[nn.Linear], extension: ModuleType, known: KnownForms | None = None):
+    def __init__(
+        self,
+        linears: list[nn.Linear],
+        extension: ModuleType,
+        known: KnownForms | None = None,
+        *,
+        activations: str = "fp32",
+    ):
         super().__init__()
-        self.in_features = linears[0].in_features
-        self.out_features = sum(linear.out_features for linear in linears)
         form = _form_of(linears, known or {})
-        if form is None:
-            self.form = "fp32"
-            weight = torch.cat([linear.weight.detach() for linear in linears])
-            self.register_buffer("weight_packed", _pack_columns(weight))
-        else:
-            self.form = "int4" if form.nibbles else "int8"
-            q_packed = _pack_columns(form.q)
-            if self.form == "int4":  # inputs 2k and 2k + 1 share a byte, low nibble first
-                q_packed = (q_packed[:, 0::2] | (q_packed[:, 1::2] << 4)).view(torch.uint8)
-            self.register_buffer("q_packed", q_packed)
-            self.register_buffer("d_packed", _pack_columns(form.d))
-            self.register_buffer("m_packed", _pack_columns(form.m))
+        weight = None if form is not None else torch.cat([linear.weight.detach() for linear in linears])
         biases = [linear.bias for linear in linears]
-        self.register_buffer("bias", None if biases[0] is None else torch.cat([b.detach() for b in biases]))
+        bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
+        self._pack(weight if form is None else form, bias, extension, activations, len(linears))
+
+    @classmethod
+    def of(
+        cls,
+        weights: IntegerForm | torch.Tensor,
+        bias: torch.Tensor | None,
+        extension: ModuleType,
+        activations: str = "fp32",
+    ) -> PackedWeights:
+        """One matrix packed from an integer form or fp32 weights [N, K] (and its bias)."""
+        packed = cls.__new__(cls)
+        nn.Module.__init__(packed)
+        packed._pack(weights, bias, extension, activations, 1)
+        return packed
+
+    def _pack(
+        self,
+        weights: IntegerForm | torch.Tensor,
+        bias: torch.Tensor | None,
+        extension: ModuleType,
+        activations: str,
+        siblings: int,
+    ) -> None:
+        if activations not in ACTIVATIONS:
+            raise ValueError(f"activations must be one of {', '.join(ACTIVATIONS)}, not {activations!r}")
+        integer = isinstance(weights, IntegerForm)
+        self.out_features, self.in_features = weights.q.shape if integer else weights.shape
+        multiple = self.in_features % _ACTIVATION_BLOCK == 0
+        self.activations = "int8" if activations == "int8" and integer and multiple else "fp32"
+        if not integer:
+            self.form = "fp32"
+            self.register_buffer("weight_packed", _pack_columns(weights.detach().float()))
+        else:
+            self.form = "int4" if weights.nibbles else "int8"
+            if self.activations == "int8":
+                q_packed = _pack_quads(weights.q, nibbles=self.form == "int4")
+            else:
+                q_packed = _pack_columns(weights.q)
+                if self.form == "int4":  # inputs 2k and 2k + 1 share a byte, low nibble first
+                    q_packed = (q_packed[:, 0::2] | (q_packed[:, 1::2] << 4)).view(torch.uint8)
+            self.register_buffer("q_packed", q_packed)
+            self.register_buffer("d_packed", _pack_columns(weights.d))
+            self.register_buffer("m_packed", _pack_columns(weights.m))
+        self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
         self.matrix = extension.PackedMatrix(  # holds the buffers above, not copies
             self.form,
             self.weight_packed if self.form == "fp32" else self.q_packed,
@@ -82,8 +129,9 @@ class PackedWeights(nn.Module):
             None if self.form == "fp32" else self.m_packed,
             self.bias,
             self.out_features,
+            self.activations,
         )
-        self._siblings = len(linears)
+        self._siblings = siblings
         self._shared: tuple[torch.Tensor, torch.Tensor] | None = None  # (input, product)
         self._takers_left = 0
 
@@ -105,7 +153,10 @@ class PackedWeights(nn.Module):
         return self.matrix(rows)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, {self.form}"
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, {self.form}, "
+            f"{self.activations} activations"
+        )
 
 
 class PackedLinear(nn.Module):
@@ -117,8 +168,8 @@ class PackedLinear(nn.Module):
         self.in_features, self.out_features = weights.in_features, stop - start
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, extension: ModuleType) -> PackedLinear:
-        return cls(PackedWeights([linear], extension), 0, linear.out_features)
+    def from_linear(cls, linear: nn.Linear, extension: ModuleType, activations: str = "fp32") -> PackedLinear:
+        return cls(PackedWeights([linear], extension, activations=activations), 0, linear.out_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.weights(x)
@@ -130,25 +181,52 @@ class PackedLinear(nn.Module):
 
 def _pack_columns(matrix: torch.Tensor) -> torch.Tensor:
     """[N, C] -> [ceil(N / 16), C, 16]: each block of 16 outputs k-major, zero-padded."""
+    padded = _padded_rows(matrix)
+    return padded.view(-1, _LANES, matrix.shape[1]).transpose(1, 2).contiguous()
+
+
+def _pack_quads(q: torch.Tensor, nibbles: bool) -> torch.Tensor:
+    """Integers q [N, K] laid out for the integer kernel's dot products (csrc/integer_linear.h):
+    int8 [ceil(N / 16), K / 4, 16, 4], each output's four consecutive inputs side by side; with
+    `nibbles` (q in 0..15) uint8 [ceil(N / 16), K / 8, 16, 4], inputs k + i and k + 4 + i sharing
+    byte i, low nibble first."""
+    padded = _padded_rows(q)
+    inputs = q.shape[1]
+    if not nibbles:
+        return padded.view(-1, _LANES, inputs // 4, 4).transpose(1, 2).contiguous()
+    octets = padded.view(-1, _LANES, inputs // 8, 2, 4).to(torch.uint8)
+    merged = octets[:, :, :, 0] | (octets[:, :, :, 1] << 4)
+    return merged.transpose(1, 2).contiguous()
+
+
+def _padded_rows(matrix: torch.Tensor) -> torch.Tensor:
+    """`matrix` [N, C] with zero rows added up to a multiple of 16."""
     outputs, columns = matrix.shape
-    blocks = -(-outputs // _LANES)
-    padded = matrix.new_zeros(blocks * _LANES, columns)
+    padded = matrix.new_zeros(-(-outputs // _LANES) * _LANES, columns)
     padded[:outputs] = matrix
-    return padded.view(blocks, _LANES, columns).transpose(1, 2).contiguous()
+    return padded
 
 
-def pack_linear_layers(model: nn.Module, extension: ModuleType, known: KnownForms | None = None) -> None:
-    """Replace every fp32 `nn.Linear` of `model` in place by a `PackedLinear` on `extension`'s kernel;
-    `known`: the forms the caller knows (a layer it names may have an empty weight on the meta device).
-    The largest matrices first: packing one holds its unpacked integers for a while, best done while
-    little else is held."""
+def pack_linear_layers(
+    model: nn.Module, extension: ModuleType, known: KnownForms | None = None, *, activations: str = "fp32"
+) -> None:
+    """Replace every fp32 `nn.Linear` of `model` in place by a `PackedLinear` on `extension`'s kernel,
+    with `activations` fp32 or int8 (where a matrix has an integer form); `known`: the forms the
+    caller knows (a layer it names may have an empty weight on the meta device). The largest
+    matrices first: packing one holds its unpacked integers for a while, best done while little
+    else is held."""
     groups = linear_groups(model, known)
     groups.sort(key=lambda group: -sum(linear.weight.numel() for linear in group[1].values()))
     for parent, linears in groups:
-        weights, start = PackedWeights(list(linears.values()), extension, known), 0
+        weights, start = PackedWeights(list(linears.values()), extension, known, activations=activations), 0
         for name, linear in linears.items():
             setattr(parent, name, PackedLinear(weights, start, start + linear.out_features))
             start += linear.out_features
+
+
+def integer_activations(model: nn.Module) -> bool:
+    """Whether some packed layer of `model` multiplies int8 activations."""
+    return any(isinstance(m, PackedWeights) and m.activations == "int8" for m in model.modules())
 
 
 def linear_groups(

@@ -1,18 +1,22 @@
 // The Python module of the fast CPU path (lookahead/cpu/extension.py builds one per variant):
-// packed matrices, lean layers, the pool step of the layer stack.
+// packed matrices, lean layers, the pool step of the layer stacks, the roofline probes.
+#include "fused_stack.h"
 #include "lean_layer.h"
+#include "roofline.h"
 #include "simd.h"
 
 namespace {
 
 PackedMatrix packed_matrix(const std::string& form, torch::Tensor weights, std::optional<torch::Tensor> d,
-                           std::optional<torch::Tensor> m, std::optional<torch::Tensor> bias, int64_t N) {
+                           std::optional<torch::Tensor> m, std::optional<torch::Tensor> bias, int64_t N,
+                           const std::string& activations) {
   using Form = PackedMatrix::Form;
   TORCH_CHECK(form == "fp32" || form == "int8" || form == "int4", "unknown packed form ", form);
+  TORCH_CHECK(activations == "fp32" || activations == "int8", "activations are fp32 or int8, not ", activations);
   const Form kind = form == "fp32" ? Form::kFp32 : form == "int8" ? Form::kInt8 : Form::kInt4;
   TORCH_CHECK(kind == Form::kFp32 || (d && m), "an integer form needs its scales");
-  return PackedMatrix(kind, std::move(weights), d.value_or(torch::Tensor()), m.value_or(torch::Tensor()),
-                      bias.value_or(torch::Tensor()), N);
+  return PackedMatrix(kind, activations == "int8", std::move(weights), d.value_or(torch::Tensor()),
+                      m.value_or(torch::Tensor()), bias.value_or(torch::Tensor()), N);
 }
 
 using NormWeights = std::pair<torch::Tensor, double>;  // (weight, eps), as Python passes them
@@ -30,9 +34,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   // several variants of the extension load side by side in one process.
   using ReleaseGil = pybind11::call_guard<pybind11::gil_scoped_release>;
   module.attr("instruction_set") = kInstructionSet;
+  module.attr("integer_dot") = kIntegerDot;
+  module.def("read_bandwidth", &read_bandwidth, "bytes read per second", ReleaseGil());
+  module.def("fma_peak", &fma_peak, "fp32 operations per second", ReleaseGil());
+  module.def("int8_dot_peak", &int8_dot_peak, "int8 dot-product operations per second", ReleaseGil());
   pybind11::class_<PackedMatrix>(module, "PackedMatrix", pybind11::module_local())
       .def(pybind11::init(&packed_matrix), pybind11::arg("form"), pybind11::arg("weights"), pybind11::arg("d"),
-           pybind11::arg("m"), pybind11::arg("bias"), pybind11::arg("N"))
+           pybind11::arg("m"), pybind11::arg("bias"), pybind11::arg("N"), pybind11::arg("activations") = "fp32")
       .def("__call__", &PackedMatrix::operator(), "rows [M, K] -> [M, N]", ReleaseGil());
   pybind11::class_<LeanLayer>(module, "LeanLayer", pybind11::module_local())
       .def(pybind11::init([](PackedMatrix qkv, PackedMatrix o, PackedMatrix gate_up, PackedMatrix down,
@@ -59,4 +67,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   pybind11::class_<LeanStack>(module, "LeanStack", pybind11::module_local())
       .def(pybind11::init([](std::vector<LeanLayer> layers) { return LeanStack{std::move(layers)}; }))
       .def("__call__", &LeanStack::forward, ReleaseGil());
+  pybind11::class_<FusedStack>(module, "FusedStack", pybind11::module_local())
+      .def(pybind11::init([](std::vector<LeanLayer> layers) { return FusedStack(std::move(layers)); }))
+      .def("__call__", &FusedStack::forward, ReleaseGil())
+      .def_readwrite("profiling", &FusedStack::profiling)
+      .def("step_times", &FusedStack::step_times)
+      .def("reset_step_times", &FusedStack::reset_step_times);
 }

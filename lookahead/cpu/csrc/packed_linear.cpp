@@ -25,6 +25,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "parallel.h"
 #include "simd.h"
 
 namespace {
@@ -283,51 +284,47 @@ void group_tiles(const float* xp, const Weights& w, int64_t width, int64_t b0, f
   }
 }
 
-// Groups of `Blocks` blocks, split between threads; the caller picks Blocks so that rows x Blocks
+// Groups [begin, end) of `Blocks` blocks; the caller picks Blocks so that rows x Blocks
 // accumulators keep enough independent FMA chains in flight.
 template <int Blocks, class Weights>
-void linear_tiles(const float* xp, const Weights& weights, int64_t blocks, float* yp, int64_t M, int64_t N) {
+void group_range(const float* xp, const Weights& weights, int64_t blocks, float* yp, int64_t M, int64_t N,
+                 int64_t begin, int64_t end) {
   const int64_t tiles = (M + kMaxRows - 1) / kMaxRows;
   const int64_t rows_per_tile = (M + tiles - 1) / tiles;  // balanced: 16 rows are 8 + 8, not 12 + 4
-  const int64_t groups = (blocks + Blocks - 1) / Blocks;
   constexpr bool kQuantised = !std::is_same_v<Weights, Fp32Weights>;
   const bool rebuild = kQuantised && tiles >= kRebuildTiles;
-  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scratch(rebuild ? Blocks * weights.K * kLanes : 0);
-    for (int64_t g = begin; g < end; ++g) {
-      const int64_t b0 = g * Blocks;
-      const int64_t width = std::min<int64_t>(Blocks, blocks - b0);
-      if constexpr (kQuantised) {
-        if (rebuild) {
-          const Fp32Weights w = rebuilt(weights.at(b0), width, scratch.data());
-          group_tiles<Blocks, Fp32Weights>(xp, w, width, b0, yp, M, N, rows_per_tile, nullptr);
-          continue;
-        }
+  std::vector<float> scratch(rebuild ? Blocks * weights.K * kLanes : 0);
+  for (int64_t g = begin; g < end; ++g) {
+    const int64_t b0 = g * Blocks;
+    const int64_t width = std::min<int64_t>(Blocks, blocks - b0);
+    if constexpr (kQuantised) {
+      if (rebuild) {
+        const Fp32Weights w = rebuilt(weights.at(b0), width, scratch.data());
+        group_tiles<Blocks, Fp32Weights>(xp, w, width, b0, yp, M, N, rows_per_tile, nullptr);
+        continue;
       }
-      const Weights next = weights.at(b0 + Blocks);
-      const Weights* prefetch = g + 1 < end ? &next : nullptr;
-      group_tiles<Blocks, Weights>(xp, weights.at(b0), width, b0, yp, M, N, rows_per_tile, prefetch);
     }
-  });
+    const Weights next = weights.at(b0 + Blocks);
+    const Weights* prefetch = g + 1 < end ? &next : nullptr;
+    group_tiles<Blocks, Weights>(xp, weights.at(b0), width, b0, yp, M, N, rows_per_tile, prefetch);
+  }
 }
 
+int64_t fp32_blocks_per_unit(int64_t M) { return M <= kFewRows ? kWideBlocks : kBlocks; }
+
 template <class Weights>
-torch::Tensor linear(const torch::Tensor& x, const Weights& weights, int64_t blocks, int64_t N) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == torch::kFloat32, "x must be [M, K] fp32");
-  TORCH_CHECK(x.size(1) == weights.K, "x has ", x.size(1), " inputs, the weight ", weights.K);
-  const int64_t M = x.size(0);
-  auto y = torch::empty({M, N}, x.options());
-  if (M == 0) return y;
+void fp32_units(const float* x, const Weights& weights, int64_t blocks, float* y, int64_t M, int64_t N, int64_t begin,
+                int64_t end) {
   if (M <= kFewRows)
-    linear_tiles<kWideBlocks>(x.data_ptr<float>(), weights, blocks, y.data_ptr<float>(), M, N);
+    group_range<kWideBlocks>(x, weights, blocks, y, M, N, begin, end);
   else
-    linear_tiles<kBlocks>(x.data_ptr<float>(), weights, blocks, y.data_ptr<float>(), M, N);
-  return y;
+    group_range<kBlocks>(x, weights, blocks, y, M, N, begin, end);
 }
 
 void check_packed(const torch::Tensor& t, torch::ScalarType type, int64_t dims, const char* name) {
-  TORCH_CHECK(t.is_contiguous() && t.scalar_type() == type && t.dim() == dims && t.size(-1) == kLanes,
+  TORCH_CHECK(t.is_contiguous() && t.scalar_type() == type && t.dim() == dims && t.size(dims == 4 ? 2 : -1) == kLanes,
               name, " is not a packed tensor from lookahead.cpu.packed_linear");
+  if (dims == 4) TORCH_CHECK(t.size(3) == 4, name, " is not a packed tensor from lookahead.cpu.packed_linear");
 }
 
 void check_scales(const torch::Tensor& d, const torch::Tensor& m, int64_t K) {
@@ -349,52 +346,128 @@ Scales<Scale> scales_of(const torch::Tensor& d, const torch::Tensor& m, int64_t 
             reinterpret_cast<const uint16_t*>(m.data_ptr<at::Half>()), group};
 }
 
-// x: [M, K]; q: [ceil(N / 16), K, 16] int8; d, m: fp16 or fp32 scales. Returns [M, N].
+// Units [begin, end) with fp32 activations, whatever the weights' form; Scale as Scales<Scale>.
 template <class Scale>
-torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& d,
-                          const torch::Tensor& m, int64_t N) {
-  const Int8Weights<Scale> weights{{scales_of<Scale>(d, m, q.size(1)), q.size(1)}, q.data_ptr<int8_t>()};
-  return linear(x, weights, q.size(0), N);
-}
-
-// As int8_linear with q in 0..15, two k's per byte: q: [ceil(N / 16), K / 2, 16] uint8.
-template <class Scale>
-torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& d,
-                          const torch::Tensor& m, int64_t N) {
-  const Int4Weights<Scale> weights{{scales_of<Scale>(d, m, 2 * q.size(1)), 2 * q.size(1)}, q.data_ptr<uint8_t>()};
-  return linear(x, weights, q.size(0), N);
+void fp32_activation_units(const PackedMatrix& matrix, const float* x, int64_t M, float* y, int64_t begin,
+                           int64_t end) {
+  const int64_t blocks = matrix.weights.size(0), K = matrix.K, N = matrix.N;
+  switch (matrix.form) {
+    case PackedMatrix::Form::kFp32:
+      return fp32_units(x, Fp32Weights{matrix.weights.data_ptr<float>(), K}, blocks, y, M, N, begin, end);
+    case PackedMatrix::Form::kInt8: {
+      const Int8Weights<Scale> w{{scales_of<Scale>(matrix.d, matrix.m, K), K}, matrix.weights.data_ptr<int8_t>()};
+      return fp32_units(x, w, blocks, y, M, N, begin, end);
+    }
+    case PackedMatrix::Form::kInt4: {
+      const Int4Weights<Scale> w{{scales_of<Scale>(matrix.d, matrix.m, K), K}, matrix.weights.data_ptr<uint8_t>()};
+      return fp32_units(x, w, blocks, y, M, N, begin, end);
+    }
+  }
 }
 
 }  // namespace
 
-PackedMatrix::PackedMatrix(Form form, torch::Tensor weights, torch::Tensor d, torch::Tensor m, torch::Tensor bias,
-                           int64_t N)
-    : form(form), weights(std::move(weights)), d(std::move(d)), m(std::move(m)), bias(std::move(bias)), N(N) {
+PackedMatrix::PackedMatrix(Form form, bool integer_activations, torch::Tensor weights, torch::Tensor d,
+                           torch::Tensor m, torch::Tensor bias, int64_t N)
+    : form(form),
+      integer_activations(integer_activations),
+      weights(std::move(weights)),
+      d(std::move(d)),
+      m(std::move(m)),
+      bias(std::move(bias)),
+      N(N),
+      integer{} {
+  TORCH_CHECK(!this->bias.defined() || (this->bias.is_contiguous() && this->bias.scalar_type() == torch::kFloat32 &&
+                                        this->bias.numel() == N),
+              "bias must be [N] fp32");
+  TORCH_CHECK(N > 0 && this->weights.dim() >= 3 && (N + kLanes - 1) / kLanes == this->weights.size(0),
+              "the packed weights do not hold ", N, " outputs");
   if (form == Form::kFp32) {
+    TORCH_CHECK(!integer_activations, "int8 activations need integer weights");
     check_packed(this->weights, torch::kFloat32, 3, "w");
+    K = this->weights.size(1);
     return;
   }
   const bool int8 = form == Form::kInt8;
+  if (integer_activations) {
+    check_packed(this->weights, int8 ? torch::kInt8 : torch::kUInt8, 4, "q");
+    K = this->weights.size(1) * (int8 ? 4 : 8);
+    check_scales(this->d, this->m, K);
+    TORCH_CHECK(K % 32 == 0, "int8 activations need a multiple of 32 inputs, not ", K);
+    integer = IntegerWeights{
+        !int8,
+        this->weights.data_ptr(),
+        this->d.data_ptr(),
+        this->m.data_ptr(),
+        this->d.scalar_type() == torch::kHalf,
+        this->m.abs().max().item<double>() != 0.0,
+        this->bias.defined() ? this->bias.data_ptr<float>() : nullptr,
+        K,
+        N,
+        K / this->d.size(1),
+        this->weights.size(0)};
+    return;
+  }
   check_packed(this->weights, int8 ? torch::kInt8 : torch::kUInt8, 3, "q");
-  check_scales(this->d, this->m, (int8 ? 1 : 2) * this->weights.size(1));
+  K = (int8 ? 1 : 2) * this->weights.size(1);
+  check_scales(this->d, this->m, K);
+  integer.group = K / this->d.size(1);
   if (!kScalesInRegisters && this->d.scalar_type() == torch::kHalf) {  // exact: fp16 -> fp32
     this->d = this->d.to(torch::kFloat32);
     this->m = this->m.to(torch::kFloat32);
   }
 }
 
-torch::Tensor PackedMatrix::operator()(const torch::Tensor& rows) const {
-  const auto integer = [&](auto scale) {
-    using Scale = decltype(scale);
-    return form == Form::kInt8 ? int8_linear<Scale>(rows, weights, d, m, N) : int4_linear<Scale>(rows, weights, d, m, N);
-  };
-  torch::Tensor y;
-  if (form == Form::kFp32)
-    y = linear(rows, Fp32Weights{weights.data_ptr<float>(), weights.size(1)}, weights.size(0), N);
-  else if constexpr (kScalesInRegisters)
-    y = d.scalar_type() == torch::kHalf ? integer(uint16_t{}) : integer(float{});
+int64_t PackedMatrix::units(int64_t M) const {
+  const int64_t blocks = weights.size(0);
+  if (integer_activations) return blocks;
+  const int64_t width = fp32_blocks_per_unit(M);
+  return (blocks + width - 1) / width;
+}
+
+void PackedMatrix::run_units(const float* x, const QuantisedRows* quantised, int64_t M, float* y, int64_t begin,
+                             int64_t end) const {
+  if (begin >= end || M == 0) return;
+  if (integer_activations) {
+    integer_linear_blocks(*quantised, integer, y, begin, end);
+    return;
+  }
+  if (form != Form::kFp32 && kScalesInRegisters && d.scalar_type() == torch::kHalf)
+    fp32_activation_units<uint16_t>(*this, x, M, y, begin, end);
   else
-    y = integer(float{});
-  if (bias.defined()) y += bias;
+    fp32_activation_units<float>(*this, x, M, y, begin, end);
+  if (bias.defined()) {  // as y += bias: one fp32 addition per output
+    const int64_t width = fp32_blocks_per_unit(M) * kLanes;
+    const int64_t first = begin * width, last = std::min(end * width, N);
+    const float* b = bias.data_ptr<float>();
+    for (int64_t r = 0; r < M; ++r)
+      for (int64_t n = first; n < last; ++n) y[r * N + n] += b[n];
+  }
+}
+
+torch::Tensor PackedMatrix::operator()(const torch::Tensor& rows) const {
+  TORCH_CHECK(rows.dim() == 2 && rows.is_contiguous() && rows.scalar_type() == torch::kFloat32,
+              "x must be [M, K] fp32");
+  TORCH_CHECK(rows.size(1) == K, "x has ", rows.size(1), " inputs, the weight ", K);
+  const int64_t M = rows.size(0);
+  auto y = torch::empty({M, N}, rows.options());
+  if (M == 0) return y;
+  const float* x = rows.data_ptr<float>();
+  float* out = y.data_ptr<float>();
+  QuantisedRows quantised;
+  if (integer_activations) quantised.resize(M, K, integer.group);
+  const int64_t total = units(M);
+  const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), total)));
+#pragma omp parallel num_threads(threads)
+  {
+    const int thread = omp_get_thread_num(), team = omp_get_num_threads();
+    if (integer_activations) {
+      const auto [first, last] = thread_share(M, thread, team);
+      quantised.quantise(x, first, last);
+#pragma omp barrier
+    }
+    const auto [begin, end] = thread_share(total, thread, team);
+    run_units(x, &quantised, M, out, begin, end);
+  }
   return y;
 }

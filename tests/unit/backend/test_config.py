@@ -113,7 +113,7 @@ def test_gpu_instances_default_to_their_device(tmp_path):
         ("snapshot_interval_s", "nan", "must be >= 0.0"),
         ("threads", "-1", "must be >= 0"),
         ("dtype", "int8", "expected one of float32, bfloat16, float16, got 'int8'"),
-        ("linear_kernel", "fast", "expected one of auto, packed, stock, got 'fast'"),
+        ("linear_kernel", "fast", "expected one of auto, integer, packed, stock, got 'fast'"),
         ("device", "tpu", "expected cpu, cuda or cuda:<index>, got 'tpu'"),
         ("device", "cpu:0", "expected cpu, cuda or cuda:<index>"),
         ("max_prompt_tokens", "0", "must be >= 1"),

@@ -14,10 +14,10 @@ from lookahead.algorithm.draft import Draft
 from lookahead.cpu import lean_layers
 from lookahead.cpu.extension import load_extension, runnable_variants
 from lookahead.cpu.lean_layers import LeanDecoderLayer, LeanLlamaDecoderLayer, LeanLlamaModel, use_lean_layers
-from lookahead.cpu.packed_linear import pack_linear_layers
+from lookahead.cpu.packed_linear import PackedWeights, pack_linear_layers
 from lookahead.runtime.decoder import LookaheadDecoder
 from lookahead.runtime.kv_pool import KVPool, PoolStep
-from tests.helpers import CPU_VARIANTS, build_tiny_model, tree_logits
+from tests.helpers import CPU_VARIANTS, build_tiny_model, quantise_in_place, tree_logits
 
 
 @pytest.fixture(params=CPU_VARIANTS)
@@ -56,7 +56,8 @@ def test_lean_layers_give_the_bits_of_transformers_layers(architecture: str, ext
     expected = forwards(model)  # transformers' layers on the same packed kernel
     assert use_lean_layers(model, extension)
     assert all(is_lean(model))
-    assert isinstance(model.model, LeanLlamaModel) == (architecture == "llama")
+    # one mask for every layer: the inner model's loop runs in C++ (the tiny Mistral has a window)
+    assert isinstance(model.model, LeanLlamaModel) == (architecture != "mistral")
     for actual, wanted in zip(forwards(model), expected):
         assert torch.equal(actual, wanted)
 
@@ -152,3 +153,48 @@ def test_a_step_on_the_kv_pool_runs_every_layer_in_one_call_with_the_same_bits(
     assert len(python_writes) == decoder.model.config.num_hidden_layers
     assert torch.equal(stacked, layered)
     assert isinstance(decoder.runner.pool, KVPool)
+
+
+def integer_tiny_model(architecture: str, extension: Any, **config: Any) -> nn.Module:
+    model = build_tiny_model(architecture, **config)
+    quantise_in_place(model, bits=4)
+    pack_linear_layers(model, extension, activations="int8")
+    return model
+
+
+@pytest.mark.parametrize("architecture", ["llama", "qwen2", "qwen3"])
+def test_the_integer_kernel_runs_fused_layers_close_to_the_lean_ones(
+    architecture: str, extension: Any
+) -> None:
+    model = integer_tiny_model(architecture, extension)
+    assert use_lean_layers(model, extension, fused=True)
+    lean = model.model
+    assert type(lean.stack).__name__ == "FusedStack"
+    exact = lean_layers._stack_probe(lean, extension.LeanStack([layer.lean for layer in lean.layers]))
+    fused = lean_layers._stack_probe(lean, lean.stack)
+    distance = float((fused - exact).norm() / exact.norm())
+    assert 0 < distance < 1e-4  # its own rounding, nowhere near a different computation
+
+
+def test_a_fused_stack_that_computes_something_else_is_refused(
+    monkeypatch: pytest.MonkeyPatch, extension: Any
+) -> None:
+    model = integer_tiny_model("llama", extension)
+    monkeypatch.setattr(lean_layers, "FUSED_TOLERANCE", 1e-12)  # its rounding counts as a difference
+    assert use_lean_layers(model, extension, fused=True)
+    assert type(model.model.stack).__name__ == "LeanStack"
+    sliding = integer_tiny_model("mistral", extension)  # a window: transformers' masks, per-layer calls
+    assert use_lean_layers(sliding, extension, fused=True)
+    assert not isinstance(sliding.model, LeanLlamaModel)
+
+
+@pytest.mark.skipif(not runnable_variants(), reason="no variant of the fast CPU path runs on this CPU")
+def test_the_default_model_on_the_integer_kernel_runs_fused_layers_on_int8_activations() -> None:
+    from lookahead.models.loading import load_model
+
+    loaded = load_model(linear_kernel="integer")
+    assert loaded.linear_kernel == "integer" and loaded.execution.startswith("integer ")
+    assert type(loaded.model.model.stack).__name__ == "FusedStack"
+    packed = [m for m in loaded.model.modules() if isinstance(m, PackedWeights)]
+    assert len(packed) == 4 * loaded.model.config.num_hidden_layers + 1
+    assert all(m.activations == "int8" for m in packed)

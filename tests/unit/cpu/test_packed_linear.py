@@ -27,7 +27,7 @@ from lookahead.cpu.extension import (
 from lookahead.cpu.integer_forms import cached_integer_form, exact_integer_form
 from lookahead.cpu.packed_linear import PackedLinear, _pack_columns
 from lookahead.models.loading import apply_execution_path
-from tests.helpers import CPU_VARIANTS, plain_greedy, repetitive_prompt
+from tests.helpers import CPU_VARIANTS, dequantised, plain_greedy, quantise_in_place, repetitive_prompt
 
 
 @pytest.fixture(params=CPU_VARIANTS)
@@ -43,24 +43,6 @@ def extension(variant: Variant) -> Any:
 
 def apply_linear_kernel(model: nn.Module, kernel: str) -> str:
     return apply_execution_path(model, kernel)[0]
-
-
-def dequantised(rows: int, inputs: int, bits: int, seed: int) -> torch.Tensor:
-    """Weights as a Q4_1 (bits=4: d * q + m, q in 0..15) or Q8_0 (bits=8: d * q) checkpoint dequantises.
-
-    As those quantisers do, every group of 32 spans the full q range (its extremes define d).
-    """
-    generator = torch.Generator().manual_seed(seed)
-    groups = inputs // 32
-    d = (torch.rand(rows, groups, 1, generator=generator) * 0.01 + 1e-4).half().float()
-    if bits == 4:
-        q = torch.randint(0, 16, (rows, groups, 32), generator=generator).float()
-        q[..., 0], q[..., 1] = 0, 15
-        m = -(torch.rand(rows, groups, 1, generator=generator) * 0.1).half().float()
-        return (d * q + m).reshape(rows, inputs)
-    q = torch.randint(-127, 128, (rows, groups, 32), generator=generator).float()
-    q[..., 0] = 127
-    return (d * q).reshape(rows, inputs)
 
 
 @pytest.mark.parametrize("outputs, inputs, bias", [(100, 96, True), (576, 576, False), (49, 64, True)])
@@ -188,7 +170,7 @@ def test_ordinary_weights_stay_fp32() -> None:
 
 
 def test_kernel_choice_and_its_errors(tiny_model) -> None:
-    with pytest.raises(ValueError, match="linear_kernel must be one of auto, packed, stock"):
+    with pytest.raises(ValueError, match="linear_kernel must be one of auto, integer, packed, stock"):
         apply_linear_kernel(tiny_model("llama"), "fast")
     half = tiny_model("llama").to(torch.bfloat16)
     with pytest.raises(FastPathUnavailable, match="fp32 only, not bfloat16"):
@@ -234,19 +216,12 @@ def test_a_cpu_without_either_set_gets_the_stock_layers_and_the_reason(
 
 def test_a_forced_variant_must_exist_and_run(tiny_model, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(VARIANT_ENV, "avx9")
-    with pytest.raises(FastPathUnavailable, match="unknown CPU variant 'avx9': one of avx512, avx2"):
+    with pytest.raises(FastPathUnavailable, match="unknown CPU variant 'avx9': one of avx512, avxvnni, avx2"):
         apply_execution_path(tiny_model("llama"), "packed")
     monkeypatch.setenv(VARIANT_ENV, "avx512")
     monkeypatch.setattr(extension_module, "cpu_flags", lambda: frozenset({"avx2", "fma", "f16c"}))
     with pytest.raises(FastPathUnavailable, match="LOOKAHEAD_CPU_VARIANT=avx512: this CPU cannot run it"):
         apply_execution_path(tiny_model("llama"), "packed")
-
-
-def quantise_in_place(model: nn.Module, bits: int) -> None:
-    """Give every linear layer Q4_1- or Q8_0-dequantised weights, so that packing picks an integer form."""
-    for index, module in enumerate(m for m in model.modules() if isinstance(m, nn.Linear)):
-        outputs, inputs = module.weight.shape
-        module.weight.data.copy_(dequantised(outputs, inputs, bits, seed=index) * 4)
 
 
 @pytest.mark.parametrize("weights", ["fp32", "int8", "int4"])

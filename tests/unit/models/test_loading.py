@@ -18,6 +18,7 @@ from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import WhitespaceSplit
 from transformers import PreTrainedTokenizerFast
 
+from lookahead.cpu.extension import runnable_variants
 from lookahead.models import embedded
 from lookahead.models.chat import apply_chat_template
 from lookahead.models.checks import UnsupportedModelError, check_tree_attention
@@ -336,6 +337,22 @@ def test_default_model_answers_a_chat_prompt(default_model) -> None:
 @pytest.mark.slow
 def test_default_model_verifies_trees(default_model) -> None:
     check_tree_attention(default_model.model)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not runnable_variants(), reason="no variant of the fast CPU path runs on this CPU")
+def test_default_model_on_the_integer_kernel_verifies_trees_and_a_leak_is_still_refused() -> None:
+    model = load_model(DEFAULT_MODEL, linear_kernel="integer").model
+    check_tree_attention(model)
+    original = type(model.model).forward
+
+    def leaky(self: Any, *args: Any, attention_mask: Any = None, **kwargs: Any) -> Any:
+        return original(self, *args, attention_mask=None, **kwargs)  # every node sees its siblings
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(type(model.model), "forward", leaky)
+        with pytest.raises(UnsupportedModelError, match="does not honour a 4-D attention mask"):
+            check_tree_attention(model)
 
 
 def test_freezing_frees_the_garbage_of_loading_and_exempts_the_rest() -> None:

@@ -15,14 +15,14 @@ import pytest
 
 from lookahead import LookaheadConfig, LookaheadDecoder, NGramTrie, SamplingParams
 from lookahead.algorithm.trie import NO_NODE
-from tests.helpers import LINEAR_KERNELS, TINY_ARCHITECTURES, plain_greedy, repetitive_prompt
+from tests.helpers import LINEAR_KERNELS, TINY_ARCHITECTURES, model_eos_ids, plain_greedy, repetitive_prompt
 
 MAX_TOKENS = 24
 
 
 def make_decoder(model, tokenizer, trie: NGramTrie, mode: str) -> LookaheadDecoder:
     config = LookaheadConfig(decoding_length=12, branch_length=5, decoding_mode=mode, adaptive=False)
-    return LookaheadDecoder(model, tokenizer, trie, config)
+    return LookaheadDecoder(model, tokenizer, trie, config, eos_token_ids=model_eos_ids(model))
 
 
 @pytest.mark.parametrize("kernel", LINEAR_KERNELS)

@@ -1,0 +1,314 @@
+// See fused_stack.h. One forward: the threads of one OpenMP team run every layer's steps below,
+// each taking its share of rows, of (row, head) pairs or of output blocks, with a barrier wherever
+// a step reads what another thread wrote.
+#include "fused_stack.h"
+
+#include <chrono>
+#include <cmath>
+#include <limits>
+#include <map>
+
+#include "parallel.h"
+#include "simd.h"
+
+namespace {
+
+constexpr int64_t kLanes = 16;
+using Clock = std::chrono::steady_clock;
+
+// Where a row of the forward writes its KV entries and which pool entries it may read.
+struct RowPlan {
+  int64_t slot, position;
+  const float* mask;  // the row's mask over the entries [0, keys) of its slot: 0 where visible
+  int64_t keys;
+};
+
+std::vector<RowPlan> plan_rows(const PoolStep& step, const torch::Tensor& mask, int64_t B, int64_t L) {
+  TORCH_CHECK(mask.dim() == 4 && mask.is_contiguous() && mask.scalar_type() == torch::kFloat32,
+              "the mask must be a contiguous fp32 [B, 1, L, keys] tensor");
+  const float* data = mask.data_ptr<float>();
+  const int64_t columns = mask.size(3);
+  std::vector<RowPlan> rows;
+  if (step.segments) {
+    TORCH_CHECK(B == 1 && mask.size(0) == 1 && mask.size(2) == L, "a ragged step is one row of tokens");
+    int64_t offset = 0, column = 0;
+    for (const auto& [slot, start, width] : step.segment_rows()) {
+      for (int64_t t = 0; t < width; ++t)
+        rows.push_back({slot, start + t, data + (offset + t) * columns + column, start + width});
+      offset += width;
+      column += start + width;
+    }
+    TORCH_CHECK(offset == L && column <= columns, "the segments do not cover the step's tokens");
+  } else {
+    TORCH_CHECK(step.slots && step.positions, "a batched step needs slots and positions");
+    TORCH_CHECK(mask.size(0) == B && mask.size(2) == L && columns >= step.read_length, "mask shape");
+    const auto slots = step.slots->to(torch::kCPU).contiguous(), positions = step.positions->to(torch::kCPU).contiguous();
+    const auto s = slots.accessor<int64_t, 2>(), p = positions.accessor<int64_t, 2>();
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t t = 0; t < L; ++t) rows.push_back({s[b][t], p[b][t], data + (b * L + t) * columns, step.read_length});
+  }
+  return rows;
+}
+
+// weight * (x * (1 / sqrt(mean(x^2) + eps))) over `width` values (a multiple of 16).
+void rms_norm(const float* x, const float* weight, float eps, int64_t width, float* out) {
+  F32x16 squares = F32x16::zero();
+  for (int64_t i = 0; i < width; i += kLanes) {
+    const F32x16 v = F32x16::load(x + i);
+    squares = F32x16::fmadd(v, v, squares);
+  }
+  const float mean = reduce_add(squares) / static_cast<float>(width);
+  const F32x16 factor = F32x16::broadcast(1.0f / std::sqrt(mean + eps));
+  for (int64_t i = 0; i < width; i += kLanes)
+    F32x16::mul(F32x16::load(weight + i), F32x16::mul(F32x16::load(x + i), factor)).store(out + i);
+}
+
+// RoPE in place on one head of `dim` values: x * cos + rotate_half(x) * sin, as transformers has it
+// (a product each, then one addition).
+void rotate(float* x, const float* cos, const float* sin, int64_t dim) {
+  const int64_t half = dim / 2;
+  int64_t i = 0;
+  for (; i + kLanes <= half; i += kLanes) {
+    const F32x16 a = F32x16::load(x + i), b = F32x16::load(x + half + i);
+    const F32x16 first = F32x16::sub(F32x16::mul(a, F32x16::load(cos + i)), F32x16::mul(b, F32x16::load(sin + i)));
+    const F32x16 second =
+        F32x16::add(F32x16::mul(b, F32x16::load(cos + half + i)), F32x16::mul(a, F32x16::load(sin + half + i)));
+    first.store(x + i);
+    second.store(x + half + i);
+  }
+  for (; i < half; ++i) {
+    const float a = x[i], b = x[half + i];
+    x[i] = a * cos[i] - b * sin[i];
+    x[half + i] = b * cos[half + i] + a * sin[half + i];
+  }
+}
+
+// One query head over the visible entries of its slot, in pool order: softmax(q . k * scaling) . v.
+void attend(const float* query, const float* keys, const float* values, const RowPlan& row, int64_t dim,
+            float scaling, std::vector<float>& scores, std::vector<int32_t>& visible, float* out) {
+  visible.clear();
+  for (int64_t j = 0; j < row.keys; ++j)
+    if (row.mask[j] == 0.0f) visible.push_back(static_cast<int32_t>(j));
+  const int64_t count = static_cast<int64_t>(visible.size());
+  scores.resize(count + kLanes);
+  float best = -std::numeric_limits<float>::infinity();
+  for (int64_t i = 0; i < count; ++i) {
+    const float* key = keys + visible[i] * dim;
+    F32x16 acc = F32x16::mul(F32x16::load(query), F32x16::load(key));
+    for (int64_t d = kLanes; d < dim; d += kLanes) acc = F32x16::fmadd(F32x16::load(query + d), F32x16::load(key + d), acc);
+    scores[i] = reduce_add(acc) * scaling;
+    best = scores[i] > best ? scores[i] : best;
+  }
+  const F32x16 shift = F32x16::broadcast(best);
+  for (int64_t i = 0; i < count; i += kLanes) exp(F32x16::sub(F32x16::load(scores.data() + i), shift)).store(scores.data() + i);
+  float total = 0.0f;
+  for (int64_t i = 0; i < count; ++i) total += scores[i];
+  for (int64_t d = 0; d < dim; d += kLanes) {
+    F32x16 acc = F32x16::zero();
+    for (int64_t i = 0; i < count; ++i)
+      acc = F32x16::fmadd(F32x16::broadcast(scores[i]), F32x16::load(values + visible[i] * dim + d), acc);
+    F32x16::div(acc, F32x16::broadcast(total)).store(out + d);
+  }
+}
+
+// silu(gate) * up = gate / (1 + e^-gate) * up over `width` values.
+void silu_times(const float* gate, const float* up, int64_t width, float* out) {
+  const F32x16 one = F32x16::broadcast(1.0f);
+  for (int64_t i = 0; i < width; i += kLanes) {
+    const F32x16 g = F32x16::load(gate + i);
+    const F32x16 silu = F32x16::div(g, F32x16::add(one, exp(F32x16::sub(F32x16::zero(), g))));
+    F32x16::mul(silu, F32x16::load(up + i)).store(out + i);
+  }
+}
+
+void add_into(float* x, const float* y, int64_t width) {
+  for (int64_t i = 0; i < width; i += kLanes) F32x16::add(F32x16::load(x + i), F32x16::load(y + i)).store(x + i);
+}
+
+// The quantised form of a matrix's input rows, where the matrix takes int8 activations.
+struct MatrixInput {
+  const PackedMatrix* matrix;
+  QuantisedRows* quantised;  // nullptr: fp32 activations
+};
+
+// y [M, N] = x [M, K] @ W^T + bias, this thread's share of the matrix's units (after a barrier
+// behind which the quantised input is complete).
+void multiply(const MatrixInput& input, const float* x, int64_t M, float* y, int thread, int threads) {
+  const auto [begin, end] = thread_share(input.matrix->units(M), thread, threads);
+  input.matrix->run_units(x, input.quantised, M, y, begin, end);
+}
+
+void quantise_rows(const MatrixInput& input, const float* x, int64_t begin, int64_t end) {
+  if (input.quantised) input.quantised->quantise(x, begin, end);
+}
+
+}  // namespace
+
+const char* const FusedStack::kStepNames[FusedStack::kSteps] = {
+    "norm+quantise", "qkv",  "rope+kv write", "attention", "quantise", "o",       "residual+norm+quantise",
+    "gate_up",       "silu+quantise", "down", "residual", "hand-offs"};
+
+std::map<std::string, double> FusedStack::step_times() const {
+  std::map<std::string, double> times;
+  for (int step = 0; step < kSteps; ++step) times[kStepNames[step]] = step_seconds[step];
+  times["forwards"] = static_cast<double>(profiled_forwards);
+  return times;
+}
+
+void FusedStack::reset_step_times() const {
+  step_seconds.fill(0.0);
+  profiled_forwards = 0;
+}
+
+FusedStack::FusedStack(std::vector<LeanLayer> layers_) : layers(std::move(layers_)) {
+  for (const auto& layer : layers) {
+    const int64_t width = layer.input_norm.weight.numel();
+    TORCH_CHECK(layer.head_dim % kLanes == 0 && width % kLanes == 0 && layer.inner % kLanes == 0,
+                "the fused stack needs head sizes and widths that are multiples of 16");
+    TORCH_CHECK(layer.heads % layer.kv_heads == 0, "query heads must be a multiple of the key/value heads");
+    for (const auto* norm : {&layer.input_norm, &layer.post_norm})
+      TORCH_CHECK(norm->weight.is_contiguous() && norm->weight.scalar_type() == torch::kFloat32, "fp32 norm weights");
+  }
+}
+
+torch::Tensor FusedStack::forward(const torch::Tensor& hidden, const torch::Tensor& cos_, const torch::Tensor& sin_,
+                                  const torch::Tensor& mask, const std::vector<torch::Tensor>& keys,
+                                  const std::vector<torch::Tensor>& values, const PoolStep& step) const {
+  TORCH_CHECK(keys.size() == layers.size() && values.size() == layers.size(), "one pool buffer per layer");
+  TORCH_CHECK(hidden.dim() == 3 && hidden.scalar_type() == torch::kFloat32, "hidden must be [B, L, W] fp32");
+  const int64_t B = hidden.size(0), L = hidden.size(1), W = hidden.size(2), M = B * L;
+  auto output = hidden.contiguous().clone();
+  if (M == 0 || layers.empty()) return output;
+  const auto cos = cos_.contiguous(), sin = sin_.contiguous();
+  const std::vector<RowPlan> rows = plan_rows(step, mask, B, L);
+  TORCH_CHECK(static_cast<int64_t>(rows.size()) == M, "one pool position per token");
+  const int64_t D = layers[0].head_dim;
+  TORCH_CHECK(cos.scalar_type() == torch::kFloat32 && cos.numel() == M * D && sin.numel() == M * D,
+              "cos and sin must be [B, L, head_dim] fp32");
+  for (size_t i = 0; i < layers.size(); ++i) {
+    const auto& layer = layers[i];
+    TORCH_CHECK(layer.input_norm.weight.numel() == W && layer.head_dim == D, "layer ", i, " has other shapes");
+    for (const auto* buffer : {&keys[i], &values[i]}) {
+      TORCH_CHECK(buffer->is_contiguous() && buffer->scalar_type() == torch::kFloat32 && buffer->dim() == 4 &&
+                      buffer->size(1) == layer.kv_heads && buffer->size(3) == D,
+                  "pool buffers must be contiguous fp32 [slots, kv_heads, capacity, head_dim]");
+      for (const auto& row : rows)
+        TORCH_CHECK(row.slot >= 0 && row.slot < buffer->size(0) && row.position >= 0 && row.keys <= buffer->size(2) &&
+                        row.position < buffer->size(2),
+                    "a row writes or reads outside the pool");
+    }
+  }
+  // One quantised buffer per (inputs, group) the matrices need.
+  std::map<std::pair<int64_t, int64_t>, QuantisedRows> buffers;
+  std::vector<std::array<MatrixInput, 4>> inputs;
+  for (const auto& layer : layers) {
+    std::array<MatrixInput, 4> layer_inputs;
+    const PackedMatrix* matrices[4] = {&layer.qkv, &layer.o, &layer.gate_up, &layer.down};
+    for (int j = 0; j < 4; ++j) {
+      QuantisedRows* quantised = nullptr;
+      if (matrices[j]->integer_activations) {
+        const auto key = std::make_pair(matrices[j]->K, matrices[j]->group());
+        auto [entry, added] = buffers.try_emplace(key);
+        if (added) entry->second.resize(M, key.first, key.second);
+        quantised = &entry->second;
+      }
+      layer_inputs[j] = {matrices[j], quantised};
+    }
+    inputs.push_back(layer_inputs);
+  }
+  const int64_t heads = layers[0].heads, kv_heads = layers[0].kv_heads, inner = layers[0].inner;
+  const int64_t qkv_width = (heads + 2 * kv_heads) * D;
+  for (const auto& layer : layers)
+    TORCH_CHECK(layer.heads == heads && layer.kv_heads == kv_heads && layer.inner == inner &&
+                    layer.qkv.N == qkv_width && layer.o.N == W && layer.gate_up.N == 2 * inner && layer.down.N == W,
+                "every layer must have the same shapes");
+  std::vector<float> normed(M * W), qkv(M * qkv_width), attended(M * heads * D), projected(M * W),
+      gate_up(M * 2 * inner), activated(M * inner);
+  float* h = output.data_ptr<float>();
+  const float* cos_data = cos.data_ptr<float>();
+  const float* sin_data = sin.data_ptr<float>();
+  const int threads = static_cast<int>(std::max<int64_t>(1, at::get_num_threads()));
+
+#pragma omp parallel num_threads(threads)
+  {
+    const int thread = omp_get_thread_num(), team = omp_get_num_threads();
+    const auto [row_begin, row_end] = thread_share(M, thread, team);
+    const auto [pair_begin, pair_end] = thread_share(M * heads, thread, team);
+    std::vector<float> scores;
+    std::vector<int32_t> visible;
+    // Thread 0's time in each step, and at the barriers (waiting for the others).
+    const bool timing = profiling && thread == 0;
+    auto last = Clock::now();
+    const auto lap = [&](Step step) {
+      if (!timing) return;
+      const auto now = Clock::now();
+      step_seconds[step] += std::chrono::duration<double>(now - last).count();
+      last = now;
+    };
+    const auto done = [&](Step step) {
+      lap(step);
+#pragma omp barrier
+      lap(kHandOffs);
+    };
+    for (size_t i = 0; i < layers.size(); ++i) {
+      const LeanLayer& layer = layers[i];
+      const auto& [qkv_in, o_in, gate_up_in, down_in] = inputs[i];
+      const float eps = static_cast<float>(layer.input_norm.eps);
+      for (int64_t r = row_begin; r < row_end; ++r)
+        rms_norm(h + r * W, layer.input_norm.weight.data_ptr<float>(), eps, W, normed.data() + r * W);
+      quantise_rows(qkv_in, normed.data(), row_begin, row_end);
+      done(kNormQuantise);
+      multiply(qkv_in, normed.data(), M, qkv.data(), thread, team);
+      done(kQkv);
+      float* key_pool = keys[i].data_ptr<float>();
+      float* value_pool = values[i].data_ptr<float>();
+      const int64_t capacity = keys[i].size(2);
+      for (int64_t r = row_begin; r < row_end; ++r) {
+        float* states = qkv.data() + r * qkv_width;
+        for (int64_t head = 0; head < heads + kv_heads; ++head) {
+          float* x = states + head * D;
+          const auto& norm = head < heads ? layer.query_norm : layer.key_norm;
+          if (norm) rms_norm(x, norm->weight.data_ptr<float>(), static_cast<float>(norm->eps), D, x);
+          rotate(x, cos_data + r * D, sin_data + r * D, D);
+        }
+        for (int64_t g = 0; g < kv_heads; ++g) {
+          const int64_t entry = ((rows[r].slot * kv_heads + g) * capacity + rows[r].position) * D;
+          std::memcpy(key_pool + entry, states + (heads + g) * D, D * sizeof(float));
+          std::memcpy(value_pool + entry, states + (heads + kv_heads + g) * D, D * sizeof(float));
+        }
+      }
+      done(kRope);
+      for (int64_t pair = pair_begin; pair < pair_end; ++pair) {
+        const int64_t r = pair / heads, head = pair % heads, g = head / (heads / kv_heads);
+        const int64_t slot_start = (rows[r].slot * kv_heads + g) * capacity * D;
+        attend(qkv.data() + r * qkv_width + head * D, key_pool + slot_start, value_pool + slot_start, rows[r], D,
+               static_cast<float>(layer.scaling), scores, visible, attended.data() + (r * heads + head) * D);
+      }
+      done(kAttention);
+      quantise_rows(o_in, attended.data(), row_begin, row_end);
+      done(kQuantise);
+      multiply(o_in, attended.data(), M, projected.data(), thread, team);
+      done(kO);
+      for (int64_t r = row_begin; r < row_end; ++r) {
+        add_into(h + r * W, projected.data() + r * W, W);
+        rms_norm(h + r * W, layer.post_norm.weight.data_ptr<float>(), static_cast<float>(layer.post_norm.eps), W,
+                 normed.data() + r * W);
+      }
+      quantise_rows(gate_up_in, normed.data(), row_begin, row_end);
+      done(kResidualNormQuantise);
+      multiply(gate_up_in, normed.data(), M, gate_up.data(), thread, team);
+      done(kGateUp);
+      for (int64_t r = row_begin; r < row_end; ++r)
+        silu_times(gate_up.data() + r * 2 * inner, gate_up.data() + r * 2 * inner + inner, inner,
+                   activated.data() + r * inner);
+      quantise_rows(down_in, activated.data(), row_begin, row_end);
+      done(kSiluQuantise);
+      multiply(down_in, activated.data(), M, projected.data(), thread, team);
+      done(kDown);
+      for (int64_t r = row_begin; r < row_end; ++r) add_into(h + r * W, projected.data() + r * W, W);
+      lap(kResidual);  // the next layer reads only this thread's rows of h before its next barrier
+    }
+  }
+  if (profiling) ++profiled_forwards;
+  return output;
+}

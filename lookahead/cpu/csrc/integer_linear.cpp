@@ -1,0 +1,255 @@
+// See integer_linear.h. Tiles of rows x blocks (of 16 outputs) keep an int32 accumulator per row
+// and block for the current group of inputs and an fp32 one for the whole row; the weights of a
+// chunk of 8 inputs are loaded once per tile and meet every row of it.
+#include "integer_linear.h"
+
+#include <algorithm>
+#include <cstring>
+#include <type_traits>
+
+#include "simd.h"
+
+namespace {
+
+constexpr int64_t kLanes = 16;
+constexpr int64_t kBlock = 32;  // inputs per activation scale
+
+// Four-input chunks of the int4 form: one load of 64 bytes holds inputs k..k+3 (low nibbles) and
+// k+4..k+7 (high nibbles) of 16 outputs.
+struct Int4Chunks {
+  using Prepared = Q8x64;
+  const uint8_t* q;
+  int64_t K;
+
+  void load(int64_t block, int64_t chunk, Prepared& first, Prepared& second) const {
+    const Q8x64 bytes = Q8x64::load(q + (block * (K / 8) + chunk) * 64);
+    first = bytes.low_nibbles();
+    second = bytes.high_nibbles();
+  }
+  void prefetch(int64_t block, int64_t chunk) const {
+    _mm_prefetch(reinterpret_cast<const char*>(q + (block * (K / 8) + chunk) * 64), _MM_HINT_T0);
+  }
+  using Sums = NibbleSums;
+  static Sums start(int32_t) { return NibbleSums::zero(); }
+};
+
+// The int8 form: two loads of 64 bytes per 8 inputs.
+struct Int8Chunks {
+  using Prepared = SignedQ8x64;
+  const int8_t* q;
+  int64_t K;
+
+  void load(int64_t block, int64_t chunk, Prepared& first, Prepared& second) const {
+    const int8_t* p = q + (block * (K / 4) + 2 * chunk) * 64;
+    first = signed_weights(Q8x64::load(p));
+    second = signed_weights(Q8x64::load(p + 64));
+  }
+  void prefetch(int64_t block, int64_t chunk) const {
+    const char* p = reinterpret_cast<const char*>(q + (block * (K / 4) + 2 * chunk) * 64);
+    _mm_prefetch(p, _MM_HINT_T0);
+    _mm_prefetch(p + 64, _MM_HINT_T0);
+  }
+  using Sums = SignedSums;
+  static Sums start(int32_t activation_sum) { return SignedSums::start(activation_sum); }
+};
+
+template <class Scale>
+F32x16 scales_at(const void* base, int64_t offset) {
+  if constexpr (std::is_same_v<Scale, float>)
+    return F32x16::load(static_cast<const float*>(base) + offset);
+  else
+    return F32x16::from_half(static_cast<const uint16_t*>(base) + offset);
+}
+
+inline int32_t four_bytes(const int8_t* p) {
+  int32_t value;
+  std::memcpy(&value, p, 4);
+  return value;
+}
+
+// Rows [r0, r0 + Rows) x blocks [b0, b0 + Blocks). `next`: the first block of the tile that follows
+// (prefetched while this one computes), or -1.
+template <int Rows, int Blocks, class Chunks, class Scale, bool Offsets>
+void tile(const QuantisedRows& x, int64_t r0, const Chunks& w, const IntegerWeights& form, int64_t b0, float* y,
+          int64_t next) {
+  const int64_t K = form.K, group = form.group, groups = K / group, chunks_per_group = group / 8;
+  F32x16 acc[Rows][Blocks];
+#pragma GCC unroll 16
+  for (int r = 0; r < Rows; ++r)
+#pragma GCC unroll 16
+    for (int j = 0; j < Blocks; ++j) acc[r][j] = F32x16::zero();
+  const int8_t* xq[Rows];
+#pragma GCC unroll 16
+  for (int r = 0; r < Rows; ++r) xq[r] = x.q.data() + (r0 + r) * K;
+  for (int64_t g = 0; g < groups; ++g) {
+    typename Chunks::Sums sums[Rows][Blocks];
+#pragma GCC unroll 16
+    for (int r = 0; r < Rows; ++r) {
+      const auto start = Chunks::start(x.sums[(r0 + r) * groups + g]);
+#pragma GCC unroll 16
+      for (int j = 0; j < Blocks; ++j) sums[r][j] = start;
+    }
+    for (int64_t c = g * chunks_per_group; c < (g + 1) * chunks_per_group; ++c) {
+      typename Chunks::Prepared first[Blocks], second[Blocks];
+#pragma GCC unroll 16
+      for (int j = 0; j < Blocks; ++j) {
+        w.load(b0 + j, c, first[j], second[j]);
+        if (next >= 0) w.prefetch(next + j, c);
+      }
+#pragma GCC unroll 16
+      for (int r = 0; r < Rows; ++r) {
+        const int32_t x0 = four_bytes(xq[r] + c * 8), x1 = four_bytes(xq[r] + c * 8 + 4);
+#pragma GCC unroll 16
+        for (int j = 0; j < Blocks; ++j) {
+          sums[r][j].add(first[j], x0);
+          sums[r][j].add(second[j], x1);
+        }
+      }
+    }
+#pragma GCC unroll 16
+    for (int j = 0; j < Blocks; ++j) {
+      const int64_t offset = ((b0 + j) * groups + g) * kLanes;
+      const F32x16 dw = scales_at<Scale>(form.d, offset);
+#pragma GCC unroll 16
+      for (int r = 0; r < Rows; ++r) {
+        const F32x16 dx = F32x16::broadcast(x.d[(r0 + r) * (K / kBlock) + g * group / kBlock]);
+        acc[r][j] = F32x16::fmadd(F32x16::mul(dw, dx), sums[r][j].total().to_float(), acc[r][j]);
+      }
+      if constexpr (Offsets) {
+        const F32x16 mw = scales_at<Scale>(form.m, offset);
+#pragma GCC unroll 16
+        for (int r = 0; r < Rows; ++r)
+          acc[r][j] = F32x16::fmadd(mw, F32x16::broadcast(x.scaled_sums[(r0 + r) * groups + g]), acc[r][j]);
+      }
+    }
+  }
+#pragma GCC unroll 16
+  for (int j = 0; j < Blocks; ++j) {
+    const int64_t n = (b0 + j) * kLanes, left = form.N - n;
+    F32x16 bias = F32x16::zero();
+    if (form.bias) {
+      if (left >= kLanes) {
+        bias = F32x16::load(form.bias + n);
+      } else {
+        float lanes[kLanes] = {};
+        std::memcpy(lanes, form.bias + n, left * sizeof(float));
+        bias = F32x16::load(lanes);
+      }
+    }
+#pragma GCC unroll 16
+    for (int r = 0; r < Rows; ++r) {
+      const F32x16 out = form.bias ? F32x16::add(acc[r][j], bias) : acc[r][j];
+      float* row = y + (r0 + r) * form.N + n;
+      if (left >= kLanes)
+        out.store(row);
+      else
+        out.store_first(row, left);
+    }
+  }
+}
+
+template <int Blocks, class Chunks, class Scale, bool Offsets>
+void tile_rows(int rows, const QuantisedRows& x, int64_t r0, const Chunks& w, const IntegerWeights& form, int64_t b0,
+               float* y, int64_t next) {
+  switch (rows) {
+#define ROWS_CASE(R) \
+  case R:            \
+    return tile<R, Blocks, Chunks, Scale, Offsets>(x, r0, w, form, b0, y, next);
+    ROWS_CASE(1) ROWS_CASE(2)
+#if defined(__AVX512F__)
+    ROWS_CASE(3) ROWS_CASE(4) ROWS_CASE(5) ROWS_CASE(6)
+#endif
+#undef ROWS_CASE
+  }
+}
+
+// Blocks [begin, end): groups of Blocks blocks (then single ones), each through every row tile.
+template <int Blocks, class Chunks, class Scale, bool Offsets>
+void blocks_range(const QuantisedRows& x, const Chunks& w, const IntegerWeights& form, float* y, int64_t begin,
+                  int64_t end, int64_t max_rows) {
+  const int64_t M = x.rows;
+  const int64_t tiles = (M + max_rows - 1) / max_rows;
+  const int64_t rows_per_tile = (M + tiles - 1) / tiles;
+  int64_t b = begin;
+  for (; b + Blocks <= end; b += Blocks) {
+    const int64_t next = b + 2 * Blocks <= end ? b + Blocks : -1;
+    for (int64_t r0 = 0; r0 < M; r0 += rows_per_tile) {
+      const int rows = static_cast<int>(std::min(rows_per_tile, M - r0));
+      tile_rows<Blocks, Chunks, Scale, Offsets>(rows, x, r0, w, form, b, y, r0 == 0 ? next : -1);
+    }
+  }
+  for (; b < end; ++b)
+    for (int64_t r0 = 0; r0 < M; r0 += rows_per_tile) {
+      const int rows = static_cast<int>(std::min(rows_per_tile, M - r0));
+      tile_rows<1, Chunks, Scale, Offsets>(rows, x, r0, w, form, b, y, -1);
+    }
+}
+
+template <class Chunks, class Scale, bool Offsets>
+void dispatch_rows(const QuantisedRows& x, const Chunks& w, const IntegerWeights& form, float* y, int64_t begin,
+                   int64_t end) {
+  if (x.rows <= kIntFewRows)
+    blocks_range<kIntWideBlocks, Chunks, Scale, Offsets>(x, w, form, y, begin, end, kIntFewRows);
+  else
+    blocks_range<kIntBlocks, Chunks, Scale, Offsets>(x, w, form, y, begin, end, kIntMaxRows);
+}
+
+template <class Chunks>
+void dispatch_scales(const QuantisedRows& x, const Chunks& w, const IntegerWeights& form, float* y, int64_t begin,
+                     int64_t end) {
+  if (form.half_scales) {
+    if (form.offsets)
+      dispatch_rows<Chunks, uint16_t, true>(x, w, form, y, begin, end);
+    else
+      dispatch_rows<Chunks, uint16_t, false>(x, w, form, y, begin, end);
+  } else {
+    if (form.offsets)
+      dispatch_rows<Chunks, float, true>(x, w, form, y, begin, end);
+    else
+      dispatch_rows<Chunks, float, false>(x, w, form, y, begin, end);
+  }
+}
+
+}  // namespace
+
+void QuantisedRows::resize(int64_t rows_, int64_t K_, int64_t group_) {
+  rows = rows_;
+  K = K_;
+  group = group_;
+  q.resize(rows * K);
+  d.resize(rows * (K / kBlock));
+  sums.resize(rows * (K / group));
+  scaled_sums.resize(rows * (K / group));
+}
+
+void QuantisedRows::quantise(const float* x, int64_t begin, int64_t end) {
+  const int64_t blocks = K / kBlock, groups = K / group;
+  for (int64_t r = begin; r < end; ++r) {
+    const float* row = x + r * K;
+    int8_t* out = q.data() + r * K;
+    for (int64_t b = 0; b < blocks; ++b) {
+      const F32x16 lo = F32x16::load(row + b * kBlock), hi = F32x16::load(row + b * kBlock + 16);
+      const float amax = reduce_max(F32x16::max(F32x16::abs(lo), F32x16::abs(hi)));
+      const float scale = amax / 127.0f;
+      const float inverse = scale != 0.0f ? 1.0f / scale : 0.0f;
+      d[r * blocks + b] = scale;
+      const F32x16 factor = F32x16::broadcast(inverse);
+      F32x16::mul(lo, factor).round_to_int8(out + b * kBlock);
+      F32x16::mul(hi, factor).round_to_int8(out + b * kBlock + 16);
+    }
+    for (int64_t g = 0; g < groups; ++g) {
+      int32_t sum = 0;
+      for (int64_t i = 0; i < group; ++i) sum += out[g * group + i];
+      sums[r * groups + g] = sum;
+      scaled_sums[r * groups + g] = d[r * blocks + g * group / kBlock] * static_cast<float>(sum);
+    }
+  }
+}
+
+void integer_linear_blocks(const QuantisedRows& x, const IntegerWeights& w, float* y, int64_t begin, int64_t end) {
+  if (x.rows == 0 || begin >= end) return;
+  if (w.int4)
+    dispatch_scales(x, Int4Chunks{static_cast<const uint8_t*>(w.q), w.K}, w, y, begin, end);
+  else
+    dispatch_scales(x, Int8Chunks{static_cast<const int8_t*>(w.q), w.K}, w, y, begin, end);
+}
