@@ -33,7 +33,7 @@ from pathlib import Path
 
 from bench.genai_perf import served_tokenizer
 from bench.report import write_csv
-from bench.servers import REPO_ROOT, parse_concurrency, server_url
+from bench.servers import add_comparison_arguments, parse_concurrency, server_url
 from bench.speedup import complete
 from bench.stdlib_sets import Conversation, coding_conversations
 from launcher import TritonServerError
@@ -188,17 +188,7 @@ def format_table(points: Sequence[Point]) -> str:
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument(
-        "--url", default=None, help="gRPC host:port of a running server (else one is started)"
-    )
-    parser.add_argument("--model-repository", type=Path, default=REPO_ROOT / "model_repository")
-    parser.add_argument(
-        "--models",
-        nargs="+",
-        default=["lookahead", "baseline"],
-        help="served models; NAME:DRAFTER picks a drafter",
-    )
-    parser.add_argument("--baseline", default="baseline")
+    add_comparison_arguments(parser)
     parser.add_argument("--concurrency", type=parse_concurrency, default=(1, 4))
     parser.add_argument("--conversations", type=int, default=4, help="conversations per level")
     parser.add_argument("--offset", type=int, default=0, help="first conversation")

@@ -38,6 +38,22 @@ def add_server_arguments(parser: argparse.ArgumentParser, warm_trie: bool = True
     parser.add_argument("--model-repository", type=Path, default=REPO_ROOT / "model_repository")
 
 
+def add_comparison_arguments(parser: argparse.ArgumentParser) -> None:
+    """The server and the models a comparison through it (speedup, multi_turn) runs: a running
+    server's --url, else one started on --model-repository; --models, each against --baseline."""
+    parser.add_argument(
+        "--url", default=None, help="gRPC host:port of a running server (else one is started)"
+    )
+    parser.add_argument("--model-repository", type=Path, default=REPO_ROOT / "model_repository")
+    parser.add_argument(
+        "--models",
+        nargs="+",
+        default=["lookahead", "baseline"],
+        help="served models; NAME:DRAFTER picks a drafter",
+    )
+    parser.add_argument("--baseline", default="baseline", help="the model every ratio and text is against")
+
+
 @contextmanager
 def tritonserver_for_run(repository: Path, out: Path, warm_trie: bool = False) -> Iterator[str]:
     """A tritonserver on free ports serving `repository`, its log and its trie snapshots in `out`

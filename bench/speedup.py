@@ -35,7 +35,7 @@ from typing import Any
 from bench.genai_perf import served_tokenizer
 from bench.prompt_sets import PROMPT_SET_NAMES, load_prompt_set
 from bench.report import write_csv
-from bench.servers import REPO_ROOT, parse_concurrency, server_url
+from bench.servers import add_comparison_arguments, parse_concurrency, server_url
 from client.api import Chunk, Completion, LookaheadClient
 from launcher import TritonServerError
 from lookahead.models.chat import chat_prompt
@@ -209,17 +209,7 @@ def format_table(points: Sequence[Point]) -> str:
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument(
-        "--url", default=None, help="gRPC host:port of a running server (else one is started)"
-    )
-    parser.add_argument("--model-repository", type=Path, default=REPO_ROOT / "model_repository")
-    parser.add_argument(
-        "--models",
-        nargs="+",
-        default=["lookahead", "baseline"],
-        help="served models; NAME:DRAFTER picks a drafter",
-    )
-    parser.add_argument("--baseline", default="baseline", help="the model every ratio and text is against")
+    add_comparison_arguments(parser)
     parser.add_argument("--sets", nargs="+", default=["code_edit", "doc_qa", "mtbench", "humaneval"])
     parser.add_argument("--concurrency", type=parse_concurrency, default=(1, 4))
     parser.add_argument("--prompts", type=int, default=8, help="prompts per level")
