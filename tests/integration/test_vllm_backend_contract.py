@@ -239,7 +239,7 @@ def test_vllm_metrics_count_real_requests_with_vllms_names_labels_and_buckets(
     # As the vLLM backend's test does: whole (not streamed) requests together on one gRPC stream,
     # and a scrape as soon as the last one returned, with no wait for the metrics to settle.
     prompts = ["The most dangerous animal is", "The capital of France is", "The future of AI is"]
-    before = vllm_values(scrape(server), "lookahead")
+    start = before = vllm_values(scrape(server), "lookahead")
     responses: queue.Queue = queue.Queue()
     client = grpcclient.InferenceServerClient(server.grpc_url)
     client.start_stream(callback=lambda result, error: responses.put((result, error)))
@@ -312,7 +312,12 @@ def test_vllm_metrics_count_real_requests_with_vllms_names_labels_and_buckets(
         found = [key[key.index("[") + 1 : -1] for key in after if key.startswith(f"vllm:{family}_bucket[")]
         assert [float(le) for le in found] == [*bounds, float("inf")], family
     first_n_bucket = next(key for key in after if key.startswith("vllm:request_params_n_bucket["))
-    assert after[first_n_bucket] == after["vllm:request_params_n_count"]  # every n is 1
+    ones = after[first_n_bucket] - start.get(first_n_bucket, 0.0)  # earlier tests may have sent n > 1
+    assert (
+        ones
+        == after["vllm:request_params_n_count"] - start.get("vllm:request_params_n_count", 0.0)
+        == requests + 1
+    )
 
 
 def test_custom_sampling_params_n_returns_every_sample_and_counts_request_params_n(server):
