@@ -263,6 +263,7 @@ PARAMETERS: dict[str, tuple[tuple[str, ...], Callable[..., Any]]] = {
     "grammar_compile_timeout_s": (("decoder", "grammar_compile_timeout_s"), _float(minimum=0.0)),
     "grammar_max_bytes": (("decoder", "grammar_max_bytes"), _int(minimum=1)),
     "grammar_max_choices": (("decoder", "grammar_max_choices"), _int(minimum=1)),
+    "adaptive_threads": (("decoder", "adaptive_threads"), _bool),
     "trie_capacity": (("trie", "capacity"), _int(minimum=1)),
     "trie_depth": (("trie", "depth"), _int(minimum=2)),
     "trie_state_dir": (("trie_state_dir",), _path),

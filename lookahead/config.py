@@ -19,7 +19,7 @@ DECODING_MODES = ("hier", "par", "one")
 DRAFTER_NAMES = ("trie", "hybrid", "recycled")
 # The fast CPU path (lookahead/cpu): "integer" multiplies int8 activations with the integer forms of
 # quantised weights (llama.cpp's arithmetic) in fused layers; "packed" keeps fp32 activations and
-# computes transformers' own bits. "stock": transformers' layers. "auto": packed where the fast path
+# computes transformers' own bits. "stock": transformers' layers. "auto": integer where the fast path
 # runs, else stock.
 LINEAR_KERNELS = ("auto", "integer", "packed", "stock")
 
@@ -351,6 +351,8 @@ class DecoderConfig:
     (in a process of its own, killed then); a slower one is refused.
     grammar_max_bytes, grammar_max_choices: the largest constraint text (a schema, regex or
     grammar) and `choice` list accepted; larger ones are refused before compiling.
+    adaptive_threads: size each forward's thread team to the cores other processes leave free
+    (runtime/core_budget.py), so that a busy neighbour slows a forward instead of stalling it.
     """
 
     step_token_budget: int = 128
@@ -360,6 +362,7 @@ class DecoderConfig:
     grammar_compile_timeout_s: float = 10.0
     grammar_max_bytes: int = 65536
     grammar_max_choices: int = 1000
+    adaptive_threads: bool = True
 
     def __post_init__(self) -> None:
         _require(self.step_token_budget >= 1, f"step_token_budget must be >= 1, got {self.step_token_budget}")

@@ -30,6 +30,7 @@ from ..algorithm.trie import NGramTrie
 from ..algorithm.verify import Verdict, verify
 from ..config import DecoderConfig, LookaheadConfig, SamplingParams, TrieConfig
 from ..structured import CompiledGrammar, GrammarCompiler, GrammarMatcher
+from .core_budget import CoreBudget
 from .generation import Generation, GenerationStats, Shared, Siblings, StepOutput
 from .kv_pool import accepted_moves
 from .recycling import recycle
@@ -76,6 +77,7 @@ class LookaheadDecoder:
         grammar_compile_timeout_s: float = DecoderConfig.grammar_compile_timeout_s,
         grammar_max_bytes: int = DecoderConfig.grammar_max_bytes,
         grammar_max_choices: int = DecoderConfig.grammar_max_choices,
+        adaptive_threads: bool = DecoderConfig.adaptive_threads,
         cost_prior: Mapping[int, float] | None = None,
     ):
         DecoderConfig(
@@ -88,7 +90,10 @@ class LookaheadDecoder:
             grammar_max_choices,
         )  # validates
         self.runner = ModelRunner(
-            model, prefix_cache_tokens=prefix_cache_tokens, kv_cache_bytes=kv_cache_bytes
+            model,
+            prefix_cache_tokens=prefix_cache_tokens,
+            kv_cache_bytes=kv_cache_bytes,
+            core_budget=CoreBudget(torch.get_num_threads()) if adaptive_threads else None,
         )
         self.model = model
         self.tokenizer = tokenizer
@@ -156,6 +161,7 @@ class LookaheadDecoder:
             grammar_compile_timeout_s=settings.grammar_compile_timeout_s,
             grammar_max_bytes=settings.grammar_max_bytes,
             grammar_max_choices=settings.grammar_max_choices,
+            adaptive_threads=settings.adaptive_threads,
             cost_prior=loaded.cost_prior,
         )
 

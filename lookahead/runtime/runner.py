@@ -17,6 +17,7 @@ import torch
 from transformers import DynamicCache
 
 from ..algorithm.draft import Draft
+from .core_budget import CoreBudget
 from .generation import Generation
 from .kv_pool import INITIAL_LENGTH, KVLayout, KVPool, PoolStep, footprint, pow2
 from .output_layer import plain_output_layer
@@ -38,9 +39,17 @@ class Work:
 
 class ModelRunner:
     """Runs one model's forwards for a decoder, over a KV pool of at most kv_cache_bytes (0: no
-    bound) and a prefix cache of prefix_cache_tokens positions (0: none)."""
+    bound) and a prefix cache of prefix_cache_tokens positions (0: none); `core_budget`, where
+    given, sizes each forward's thread team to the free cores."""
 
-    def __init__(self, model: Any, *, prefix_cache_tokens: int, kv_cache_bytes: int):
+    def __init__(
+        self,
+        model: Any,
+        *,
+        prefix_cache_tokens: int,
+        kv_cache_bytes: int,
+        core_budget: CoreBudget | None = None,
+    ):
         self.model = model
         self.device = next(model.parameters()).device
         self.dtype = model.dtype  # a property that walks every parameter: read once
@@ -55,6 +64,7 @@ class ModelRunner:
         self.head_of_hidden = plain_output_layer(model)
         self.inner = model.get_decoder() if self.head_of_hidden is not None else None
         self._kv_layout: KVLayout | None = None
+        self.core_budget = core_budget
 
     @property
     def kv_layout(self) -> KVLayout:
@@ -138,6 +148,8 @@ class ModelRunner:
 
         Writes the segments' KV entries but commits nothing, so the same call can be repeated.
         """
+        if self.core_budget is not None:
+            self.core_budget.apply()
         segments = [work.segment for work in works]
         if len(segments) > 1 and all(s.width == 1 and s.draft is not None for s in segments):
             return self._forward_batched(works)

@@ -1,0 +1,128 @@
+"""How many threads a forward may use now: the cores this process may run on, less what other
+processes keep busy.
+
+A forward's threads meet at a barrier after every matrix. Where another process holds one of the
+cores, the thread sharing that core waits for its time slice at every barrier and the whole team
+waits with it: two threads beside one busy process run far slower than one thread alone. So before
+each forward `CoreBudget.apply` sizes the team to the cores left free, measured over the last
+fraction of a second from /proc/stat (each core's busy time) less this process's own CPU time.
+
+The cores this process may use are its CPU affinity, capped by its cgroup's CPU quota (a
+container's `--cpus`). A forward's results never depend on its team's size (the kernels split work
+over output columns and rows, never over a sum), so resizing changes speed only.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+# Seconds between two looks at the machine; a look costs tens of microseconds.
+SAMPLE_INTERVAL_S = 0.2
+# Another process counts as holding a core from this share of one on; below RELEASE of one the
+# core counts as free again (the gap keeps the team from flapping at the edge).
+HOLD = 0.6
+RELEASE = 0.3
+
+
+def usable_cores() -> int:
+    """The cores this process may run on: its affinity, capped by its cgroup's CPU quota."""
+    cores = len(os.sched_getaffinity(0))
+    quota = cgroup_cpu_quota()
+    return max(1, min(cores, math.ceil(quota - 1e-9))) if quota else cores
+
+
+def cgroup_cpu_quota(root: Path = Path("/sys/fs/cgroup")) -> float | None:
+    """The CPU quota of this process's cgroup in cores (cgroup v2's cpu.max, v1's cfs files), or
+    None where there is none."""
+    try:
+        quota, period = (root / "cpu.max").read_text().split()[:2]
+        return None if quota == "max" else int(quota) / int(period)
+    except (OSError, ValueError):
+        pass
+    try:
+        quota_us = int((root / "cpu" / "cpu.cfs_quota_us").read_text())
+        period_us = int((root / "cpu" / "cpu.cfs_period_us").read_text())
+        return None if quota_us <= 0 or period_us <= 0 else quota_us / period_us
+    except (OSError, ValueError):
+        return None
+
+
+def busy_seconds(cpus: set[int], stat: Path = Path("/proc/stat")) -> float | None:
+    """Seconds the given CPUs have spent busy since boot (everything but idle and iowait), or None
+    where /proc/stat cannot be read."""
+    try:
+        lines = stat.read_text().splitlines()
+    except OSError:
+        return None
+    ticks = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for line in lines:
+        name, _, rest = line.partition(" ")
+        if not name.startswith("cpu") or name == "cpu" or int(name[3:]) not in cpus:
+            continue
+        fields = [int(v) for v in rest.split()]
+        total += sum(fields) - fields[3] - (fields[4] if len(fields) > 4 else 0)
+    return total / ticks
+
+
+class CoreBudget:
+    """The team size for the next forward: at most `limit` threads, one per core that no other
+    process holds (never below one)."""
+
+    def __init__(
+        self,
+        limit: int,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        own_seconds: Callable[[], float] = time.process_time,
+        machine_seconds: Callable[[set[int]], float | None] = busy_seconds,
+        set_threads: Callable[[int], None] | None = None,
+    ):
+        self.cpus = os.sched_getaffinity(0)
+        self.limit = max(1, min(limit, usable_cores()))
+        self.threads = self.limit
+        self.others = 0  # cores counted as held by other processes
+        self._clock, self._own, self._machine = clock, own_seconds, machine_seconds
+        self._set_threads = set_threads or _torch_set_threads
+        self._last: tuple[float, float, float] | None = None
+
+    def apply(self) -> int:
+        """Resize the calling thread's team if the free cores changed since the last look; return
+        the team size. Call it on the thread that runs the forwards (a team is per thread)."""
+        now = self._clock()
+        if self._last is not None and now - self._last[0] < SAMPLE_INTERVAL_S:
+            return self.threads
+        machine = self._machine(self.cpus)
+        if machine is None:
+            return self.threads
+        sample = (now, machine, self._own())
+        if self._last is not None:
+            wall = sample[0] - self._last[0]
+            elsewhere = max(0.0, (sample[1] - self._last[1]) - (sample[2] - self._last[2])) / wall
+            self.others = self._held(elsewhere)
+            threads = max(1, min(self.limit, len(self.cpus) - self.others))
+            if threads != self.threads:
+                self._set_threads(threads)
+                self.threads = threads
+        self._last = sample
+        return self.threads
+
+    def _held(self, elsewhere: float) -> int:
+        """Whole cores other processes hold, from the cores' worth of time they used, with
+        hysteresis around the current count."""
+        held = self.others
+        while elsewhere >= held + HOLD:
+            held += 1
+        while held > 0 and elsewhere < held - 1 + RELEASE:
+            held -= 1
+        return held
+
+
+def _torch_set_threads(threads: int) -> None:
+    import torch
+
+    torch.set_num_threads(threads)

@@ -1,0 +1,109 @@
+"""CoreBudget: a forward's team shrinks to the cores other processes leave free, and grows back."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from lookahead.runtime.core_budget import SAMPLE_INTERVAL_S, CoreBudget, busy_seconds, cgroup_cpu_quota
+
+
+class Machine:
+    """A fake clock and CPU-time counters: `others` and `own` cores busy since the last advance."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.busy = 0.0
+        self.own = 0.0
+
+    def advance(self, seconds: float, *, others: float, own: float) -> None:
+        self.now += seconds
+        self.busy += seconds * (others + own)
+        self.own += seconds * own
+
+
+def budget(machine: Machine, limit: int, cores: int) -> tuple[CoreBudget, list[int]]:
+    calls: list[int] = []
+    core_budget = CoreBudget(
+        limit,
+        clock=lambda: machine.now,
+        own_seconds=lambda: machine.own,
+        machine_seconds=lambda cpus: machine.busy,
+        set_threads=calls.append,
+    )
+    core_budget.cpus = set(range(cores))
+    core_budget.limit = limit
+    core_budget.threads = limit
+    return core_budget, calls
+
+
+def test_a_busy_neighbour_takes_a_thread_and_gives_it_back() -> None:
+    machine = Machine()
+    core_budget, calls = budget(machine, limit=2, cores=2)
+    assert core_budget.apply() == 2  # the first look only starts the window
+    machine.advance(0.3, others=0.05, own=2.0)
+    assert core_budget.apply() == 2
+    machine.advance(0.3, others=0.7, own=1.3)  # a busy process shares the two cores with the team
+    assert core_budget.apply() == 1
+    machine.advance(0.3, others=1.0, own=1.0)
+    assert core_budget.apply() == 1
+    machine.advance(0.3, others=0.5, own=1.0)  # within the hysteresis: still held
+    assert core_budget.apply() == 1
+    machine.advance(0.3, others=0.1, own=1.0)
+    assert core_budget.apply() == 2
+    assert calls == [1, 2]
+
+
+def test_never_below_one_thread_nor_above_the_limit() -> None:
+    machine = Machine()
+    core_budget, calls = budget(machine, limit=3, cores=4)
+    core_budget.apply()
+    machine.advance(0.3, others=7.5, own=0.5)
+    assert core_budget.apply() == 1
+    machine.advance(0.3, others=0.0, own=1.0)
+    assert core_budget.apply() == 3
+    assert calls == [1, 3]
+
+
+def test_looks_at_most_once_per_interval() -> None:
+    machine = Machine()
+    core_budget, calls = budget(machine, limit=2, cores=2)
+    core_budget.apply()
+    machine.advance(SAMPLE_INTERVAL_S / 4, others=1.0, own=1.0)
+    assert core_budget.apply() == 2  # too soon to judge
+    machine.advance(SAMPLE_INTERVAL_S, others=1.0, own=1.0)
+    assert core_budget.apply() == 1
+
+
+def test_cgroup_quotas(tmp_path: Path) -> None:
+    (tmp_path / "cpu.max").write_text("150000 100000\n")
+    assert cgroup_cpu_quota(tmp_path) == 1.5
+    (tmp_path / "cpu.max").write_text("max 100000\n")
+    assert cgroup_cpu_quota(tmp_path) is None
+    v1 = tmp_path / "v1"
+    (v1 / "cpu").mkdir(parents=True)
+    (v1 / "cpu" / "cpu.cfs_quota_us").write_text("50000\n")
+    (v1 / "cpu" / "cpu.cfs_period_us").write_text("100000\n")
+    assert cgroup_cpu_quota(v1) == 0.5
+
+
+@pytest.mark.skipif(not Path("/proc/stat").exists(), reason="Linux's /proc/stat")
+def test_busy_seconds_sees_a_real_busy_process() -> None:
+    """A spinning child shows in the machine's busy time and not in this process's own."""
+    cpus = os.sched_getaffinity(0)
+    child = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.3)  # the child's interpreter is up and spinning
+        start_machine, start_own, start = busy_seconds(cpus), time.process_time(), time.monotonic()
+        time.sleep(1.0)
+        machine, own, wall = busy_seconds(cpus), time.process_time(), time.monotonic() - start
+    finally:
+        child.kill()
+        child.wait()
+    elsewhere = ((machine - start_machine) - (own - start_own)) / wall
+    assert elsewhere >= 0.6, f"a spinning process kept only {elsewhere:.2f} cores busy"
