@@ -3,6 +3,7 @@
 // a step reads what another thread wrote.
 #include "fused_stack.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <limits>
@@ -83,31 +84,94 @@ void rotate(float* x, const float* cos, const float* sin, int64_t dim) {
   }
 }
 
-// One query head over the visible entries of its slot, in pool order: softmax(q . k * scaling) . v.
-void attend(const float* query, const float* keys, const float* values, const RowPlan& row, int64_t dim,
-            float scaling, std::vector<float>& scores, std::vector<int32_t>& visible, float* out) {
-  visible.clear();
-  for (int64_t j = 0; j < row.keys; ++j)
-    if (row.mask[j] == 0.0f) visible.push_back(static_cast<int32_t>(j));
-  const int64_t count = static_cast<int64_t>(visible.size());
-  scores.resize(count + kLanes);
-  float best = -std::numeric_limits<float>::infinity();
-  for (int64_t i = 0; i < count; ++i) {
-    const float* key = keys + visible[i] * dim;
-    F32x16 acc = F32x16::mul(F32x16::load(query), F32x16::load(key));
-    for (int64_t d = kLanes; d < dim; d += kLanes) acc = F32x16::fmadd(F32x16::load(query + d), F32x16::load(key + d), acc);
-    scores[i] = reduce_add(acc) * scaling;
-    best = scores[i] > best ? scores[i] : best;
+// The pool entries each row of the step sees, found once per forward (every layer and head reads
+// them): the zeros of its mask row, in pool order, and how many of them lead as 0, 1, 2, ... (the
+// committed history its tree shares with the other rows of its segment).
+struct Visibility {
+  std::vector<int32_t> entries;
+  int64_t prefix = 0;
+};
+
+std::vector<Visibility> visible_entries(const std::vector<RowPlan>& rows) {
+  std::vector<Visibility> visible(rows.size());
+  for (size_t r = 0; r < rows.size(); ++r) {
+    auto& [entries, prefix] = visible[r];
+    for (int64_t j = 0; j < rows[r].keys; ++j)
+      if (rows[r].mask[j] == 0.0f) entries.push_back(static_cast<int32_t>(j));
+    while (prefix < static_cast<int64_t>(entries.size()) && entries[prefix] == prefix) ++prefix;
   }
-  const F32x16 shift = F32x16::broadcast(best);
-  for (int64_t i = 0; i < count; i += kLanes) exp(F32x16::sub(F32x16::load(scores.data() + i), shift)).store(scores.data() + i);
-  float total = 0.0f;
-  for (int64_t i = 0; i < count; ++i) total += scores[i];
+  return visible;
+}
+
+// Rows of one slot that attend together (a segment's tree, or a chunk of it), for one query head.
+struct AttentionUnit {
+  int64_t first_row, rows, head;
+};
+constexpr int64_t kRowsPerUnit = 8;
+
+std::vector<AttentionUnit> attention_units(const std::vector<RowPlan>& rows, int64_t heads) {
+  std::vector<AttentionUnit> units;
+  for (size_t r = 0; r < rows.size();) {
+    size_t end = r + 1;
+    while (end < rows.size() && rows[end].slot == rows[r].slot && static_cast<int64_t>(end - r) < kRowsPerUnit) ++end;
+    for (int64_t head = 0; head < heads; ++head) units.push_back({static_cast<int64_t>(r), static_cast<int64_t>(end - r), head});
+    r = end;
+  }
+  return units;
+}
+
+inline float dot(const float* a, const float* b, int64_t dim) {
+  F32x16 acc = F32x16::mul(F32x16::load(a), F32x16::load(b));
+  for (int64_t d = kLanes; d < dim; d += kLanes) acc = F32x16::fmadd(F32x16::load(a + d), F32x16::load(b + d), acc);
+  return reduce_add(acc);
+}
+
+// One query head of a unit's rows over the entries each sees: softmax(q . k * scaling) . v. The
+// entries every row of the unit sees first (the shared history) are read once for all of them;
+// each row still visits its own entries in pool order with the same operations as alone, so its
+// result does not depend on which rows share the unit.
+void attend(const AttentionUnit& unit, const float* queries, int64_t query_stride, const float* keys,
+            const float* values, const std::vector<Visibility>& visible, int64_t dim, float scaling,
+            std::vector<float> (&scores)[kRowsPerUnit], float* out, int64_t out_stride) {
+  const int64_t R = unit.rows;
+  const Visibility* seen[kRowsPerUnit];
+  int64_t shared = std::numeric_limits<int64_t>::max();
+  for (int64_t r = 0; r < R; ++r) {
+    seen[r] = &visible[unit.first_row + r];
+    shared = std::min(shared, seen[r]->prefix);
+    scores[r].resize(seen[r]->entries.size() + kLanes);
+  }
+  const float* query[kRowsPerUnit];
+  for (int64_t r = 0; r < R; ++r) query[r] = queries + (unit.first_row + r) * query_stride;
+  for (int64_t j = 0; j < shared; ++j)
+    for (int64_t r = 0; r < R; ++r) scores[r][j] = dot(query[r], keys + j * dim, dim) * scaling;
+  float total[kRowsPerUnit];
+  for (int64_t r = 0; r < R; ++r) {
+    const auto& entries = seen[r]->entries;
+    const int64_t count = static_cast<int64_t>(entries.size());
+    float* row = scores[r].data();
+    for (int64_t i = shared; i < count; ++i) row[i] = dot(query[r], keys + entries[i] * dim, dim) * scaling;
+    float best = -std::numeric_limits<float>::infinity();
+    for (int64_t i = 0; i < count; ++i) best = row[i] > best ? row[i] : best;
+    const F32x16 shift = F32x16::broadcast(best);
+    for (int64_t i = 0; i < count; i += kLanes) exp(F32x16::sub(F32x16::load(row + i), shift)).store(row + i);
+    total[r] = 0.0f;
+    for (int64_t i = 0; i < count; ++i) total[r] += row[i];
+  }
   for (int64_t d = 0; d < dim; d += kLanes) {
-    F32x16 acc = F32x16::zero();
-    for (int64_t i = 0; i < count; ++i)
-      acc = F32x16::fmadd(F32x16::broadcast(scores[i]), F32x16::load(values + visible[i] * dim + d), acc);
-    F32x16::div(acc, F32x16::broadcast(total)).store(out + d);
+    F32x16 acc[kRowsPerUnit];
+    for (int64_t r = 0; r < R; ++r) acc[r] = F32x16::zero();
+    for (int64_t j = 0; j < shared; ++j) {
+      const F32x16 value = F32x16::load(values + j * dim + d);
+      for (int64_t r = 0; r < R; ++r) acc[r] = F32x16::fmadd(F32x16::broadcast(scores[r][j]), value, acc[r]);
+    }
+    for (int64_t r = 0; r < R; ++r) {
+      const auto& entries = seen[r]->entries;
+      const int64_t count = static_cast<int64_t>(entries.size());
+      for (int64_t i = shared; i < count; ++i)
+        acc[r] = F32x16::fmadd(F32x16::broadcast(scores[r][i]), F32x16::load(values + entries[i] * dim + d), acc[r]);
+      F32x16::div(acc[r], F32x16::broadcast(total[r])).store(out + (unit.first_row + r) * out_stride + d);
+    }
   }
 }
 
@@ -228,14 +292,15 @@ torch::Tensor FusedStack::forward(const torch::Tensor& hidden, const torch::Tens
   const float* cos_data = cos.data_ptr<float>();
   const float* sin_data = sin.data_ptr<float>();
   const int threads = static_cast<int>(std::max<int64_t>(1, at::get_num_threads()));
+  const std::vector<Visibility> visible = visible_entries(rows);
+  const std::vector<AttentionUnit> units = attention_units(rows, heads);
 
 #pragma omp parallel num_threads(threads)
   {
     const int thread = omp_get_thread_num(), team = omp_get_num_threads();
     const auto [row_begin, row_end] = thread_share(M, thread, team);
-    const auto [pair_begin, pair_end] = thread_share(M * heads, thread, team);
-    std::vector<float> scores;
-    std::vector<int32_t> visible;
+    const auto [unit_begin, unit_end] = thread_share(static_cast<int64_t>(units.size()), thread, team);
+    std::vector<float> scores[kRowsPerUnit];
     // Thread 0's time in each step, and at the barriers (waiting for the others).
     const bool timing = profiling && thread == 0;
     auto last = Clock::now();
@@ -278,11 +343,12 @@ torch::Tensor FusedStack::forward(const torch::Tensor& hidden, const torch::Tens
         }
       }
       done(kRope);
-      for (int64_t pair = pair_begin; pair < pair_end; ++pair) {
-        const int64_t r = pair / heads, head = pair % heads, g = head / (heads / kv_heads);
-        const int64_t slot_start = (rows[r].slot * kv_heads + g) * capacity * D;
-        attend(qkv.data() + r * qkv_width + head * D, key_pool + slot_start, value_pool + slot_start, rows[r], D,
-               static_cast<float>(layer.scaling), scores, visible, attended.data() + (r * heads + head) * D);
+      for (int64_t u = unit_begin; u < unit_end; ++u) {
+        const AttentionUnit& unit = units[u];
+        const int64_t g = unit.head / (heads / kv_heads);
+        const int64_t slot_start = (rows[unit.first_row].slot * kv_heads + g) * capacity * D;
+        attend(unit, qkv.data() + unit.head * D, qkv_width, key_pool + slot_start, value_pool + slot_start, visible, D,
+               static_cast<float>(layer.scaling), scores, attended.data() + unit.head * D, heads * D);
       }
       done(kAttention);
       quantise_rows(o_in, attended.data(), row_begin, row_end);
