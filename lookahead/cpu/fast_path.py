@@ -58,8 +58,9 @@ class FastPath:
 def apply_fast_path(
     model: Any, linear_kernel: str = "auto", variant: Variant | None = None, known: KnownForms | None = None
 ) -> FastPath:
-    """Put `model` on the linear kernel named `linear_kernel` ("auto": packed where the fast
-    path can run, the arithmetic whose greedy output agrees with transformers'), on `variant` of the kernel
+    """Put `model` on the linear kernel named `linear_kernel` ("auto": integer where the fast
+    path can run, the fastest; "packed" is the fp32 arithmetic whose greedy output agrees with
+    transformers'), on `variant` of the kernel
     (None: `chosen_variant()`). `known`: the integer forms the caller knows (see
     packed_linear.KnownForms); on the stock kernel the caller fills those layers itself.
 
@@ -81,7 +82,7 @@ def apply_fast_path(
         logger.info("linear_kernel auto: stock (%s)", error)
         return FastPath("stock", reason=str(error))
     if linear_kernel == "auto":
-        linear_kernel = "packed"
+        linear_kernel = "integer"
     activations = "int8" if linear_kernel == "integer" else "fp32"
     pack_linear_layers(model, extension, known, activations=activations)
     lean = use_lean_layers(model, extension, fused=linear_kernel == "integer")

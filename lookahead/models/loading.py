@@ -133,8 +133,9 @@ def load_model(
 ) -> LoadedModel:
     """Load a causal LM and its tokenizer in eval mode; no network access.
 
-    linear_kernel: "packed" runs fp32 CPU linear layers on the fast CPU path's kernel (cheap
-    multi-token forwards), "auto" does so where it can run, "stock" keeps transformers' layers.
+    linear_kernel: "integer" runs the linear layers on the fast CPU path's int8-activation kernel,
+    "packed" on its exact fp32 one (both cheap multi-token forwards), "auto" picks integer where it
+    can run, "stock" keeps transformers' layers.
     require_tokenizer: refuse a folder without a tokenizer; else it gets a `NoTokenizer` (token
     ids only, e.g. a ChatGLM folder without tokenizer.model).
     """
