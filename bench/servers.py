@@ -55,6 +55,54 @@ def add_comparison_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 @contextmanager
+def launcher_as_shipped(out: Path, model: str | None = None) -> Iterator[str]:
+    """The server as scripts/serve.sh starts it (`python -m launcher` on the repository as it ships,
+    `--model` where given), with no LOOKAHEAD_* variable but a fresh trie folder in `out`; yields
+    its gRPC URL and stops it (SIGTERM: it drains) afterwards."""
+    import signal
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    state = out / "trie_state"
+    shutil.rmtree(state, ignore_errors=True)
+    env = {name: value for name, value in os.environ.items() if not name.startswith("LOOKAHEAD_")}
+    env[STATE_DIR_ENV] = str(state.resolve())
+    http, grpc, metrics = free_port(), free_port(), free_port()
+    command = [sys.executable, "-m", "launcher", "--model-repository", str(REPO_ROOT / "model_repository")]
+    command += ["--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics)]
+    command += ["--model", model] if model else []
+    print(f"starting {' '.join(command[1:])} (log {out / 'launcher.log'})", flush=True)
+    with open(out / "launcher.log", "ab") as log:
+        launcher = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT)
+    try:
+        deadline = time.monotonic() + SERVER_READY_TIMEOUT_S
+        while True:
+            if launcher.poll() is not None:
+                log_path = out / "launcher.log"
+                raise BenchmarkError(f"the launcher exited ({launcher.returncode}): see {log_path}")
+            try:
+                ready = f"http://localhost:{http}/v2/health/ready"
+                with urllib.request.urlopen(ready, timeout=2) as reply:
+                    if reply.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise BenchmarkError(f"the launcher was not ready in {SERVER_READY_TIMEOUT_S:.0f} s")
+            time.sleep(1.0)
+        yield f"localhost:{grpc}"
+    finally:
+        launcher.send_signal(signal.SIGTERM)
+        try:
+            launcher.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            launcher.kill()
+            launcher.wait()
+
+
+@contextmanager
 def tritonserver_for_run(repository: Path, out: Path, warm_trie: bool = False) -> Iterator[str]:
     """A tritonserver on free ports serving `repository`, its log and its trie snapshots in `out`
     (emptied first unless warm_trie); yields its gRPC URL and stops it afterwards."""
