@@ -54,19 +54,20 @@ def cgroup_cpu_quota(root: Path = Path("/sys/fs/cgroup")) -> float | None:
 def busy_seconds(cpus: set[int], stat: Path = Path("/proc/stat")) -> float | None:
     """Seconds the given CPUs have spent busy since boot (everything but idle and iowait), or None
     where /proc/stat cannot be read."""
+    total = 0
     try:
-        lines = stat.read_text().splitlines()
+        with open(stat) as lines:
+            for line in lines:  # the cpu lines come first; the long interrupt lines are not read
+                name, _, rest = line.partition(" ")
+                if not name.startswith("cpu"):
+                    break
+                if name == "cpu" or int(name[3:]) not in cpus:
+                    continue
+                fields = [int(v) for v in rest.split()]
+                total += sum(fields) - fields[3] - (fields[4] if len(fields) > 4 else 0)
     except OSError:
         return None
-    ticks = os.sysconf("SC_CLK_TCK")
-    total = 0
-    for line in lines:
-        name, _, rest = line.partition(" ")
-        if not name.startswith("cpu") or name == "cpu" or int(name[3:]) not in cpus:
-            continue
-        fields = [int(v) for v in rest.split()]
-        total += sum(fields) - fields[3] - (fields[4] if len(fields) > 4 else 0)
-    return total / ticks
+    return total / os.sysconf("SC_CLK_TCK")
 
 
 class CoreBudget:
