@@ -141,7 +141,8 @@ class Triton:
     def __init__(self, url: str):
         self.client = grpcclient.InferenceServerClient(url)
         key = os.environ.get(ADMIN_KEY_ENV)  # the launcher restricts the repository index to it
-        self.index_headers = {ADMIN_KEY_HEADER: key} if key else None
+        # tritonserver reads a restricted protocol's header over gRPC under this prefix
+        self.index_headers = {f"triton-grpc-protocol-{ADMIN_KEY_HEADER}": key} if key else None
 
     async def close(self) -> None:
         await self.client.close()

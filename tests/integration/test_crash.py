@@ -171,8 +171,12 @@ def baseline(tmp_path: Path) -> Path:
 
 @pytest.fixture
 def shipped(tmp_path: Path) -> Path:
-    """The shipped repository, its lookahead model saving its trie every second."""
+    """The shipped repository, its lookahead model saving its trie every second, on transformers'
+    layers (what a crash does is the same on every execution path, and they need no kernel build)."""
     repository = copy_repository(tmp_path / "repository", tmp_path / "state", ("lookahead", "baseline"))
+    for model in ("lookahead", "baseline"):
+        config = repository / model / "config.pbtxt"
+        config.write_text(set_parameter(config.read_text(), "linear_kernel", "stock"))
     config = repository / "lookahead" / "config.pbtxt"
     config.write_text(set_parameter(config.read_text(), "snapshot_interval_s", "1"))
     return repository
