@@ -26,7 +26,7 @@ from backend.drain import Drain, remove_region
 from lookahead.contract import ADMIN_KEY_HEADER
 
 POLL_S = 0.5  # how often the drain folder is checked for dead instances
-UNLOAD_WAIT_S = 5.0  # an unload waits for requests in flight, which a dead stub never ends
+UNLOAD_WAIT_S = 5.0  # the bound on the unload call (the old instances finish unloading in the background)
 TRIES = 3  # loads tried per restart, BACKOFF_S apart, doubling
 BACKOFF_S = 2.0
 
@@ -117,5 +117,5 @@ class Supervisor:
                 return reply.status, reply.read().decode(errors="replace")
         except urllib.error.HTTPError as error:
             return error.code, error.read().decode(errors="replace")
-        except OSError as error:  # a timeout: an unload waits for the requests the dead stub held
+        except OSError as error:  # no answer in time
             return None, str(error)
