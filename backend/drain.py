@@ -8,10 +8,17 @@ file; on it the instance ends its requests with a final response, saves its snap
 acknowledges (`<pid>.drained`). Only then is the signal forwarded, and tritonserver unloads idle
 models. Files need no signal handler in the stub, whose main thread is in C++. Without the
 variable (tritonserver started directly) no watch runs.
+
+A registration names the instance's model and its stub's shared-memory region, so that the
+launcher's supervisor (launcher/supervisor.py) can restart the model of a stub that died without
+finalizing or draining (Drain.dead), and remove what it left. It counts those restarts in the
+folder (`restarts/<model>`), which the model's new instances publish as a metric.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import shutil
 import sys
@@ -19,12 +26,16 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 from lookahead.contract import DRAIN_ENV
 
 REQUEST_FILE = "drain"
+RESTARTS_FOLDER = "restarts"
 POLL_S = 0.2
+SHM_PREFIX = "triton_python_backend_shm_region"  # the Python backend's region of one stub
+SHM_FOLDER = Path("/dev/shm")
 
 
 class DrainableLog:
@@ -64,14 +75,44 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def stub_shm_region() -> str:
+    """This stub's shared-memory region (an argument tritonserver starts it with); "" elsewhere."""
+    try:
+        arguments = Path("/proc/self/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return ""
+    found = [a.decode(errors="replace") for a in arguments if SHM_PREFIX.encode() in a]
+    return found[0] if found else ""
+
+
+def remove_region(name: str, folder: Path | None = None) -> None:
+    """Unlink a stub's shared-memory region whose owner cannot: a dead stub's (tritonserver still maps
+    it while the requests that stub held stay open; the memory goes with the last mapping), or an
+    orphaned stub's own (its tritonserver is gone)."""
+    base = os.path.basename(name)
+    if base.startswith(SHM_PREFIX):
+        with contextlib.suppress(OSError):
+            ((folder or SHM_FOLDER) / base).unlink()
+
+
+@dataclass(frozen=True)
+class DeadInstance:
+    """An instance whose process ended without finalizing or draining."""
+
+    pid: int
+    model: str
+    shm_region: str
+
+
 class DrainWatch:
     """The instance's side: registered while it serves; calls on_drain() once when asked."""
 
-    def __init__(self, folder: Path, on_drain: Callable[[], None], poll_s: float = POLL_S):
+    def __init__(self, folder: Path, on_drain: Callable[[], None], poll_s: float = POLL_S, model: str = ""):
         self.folder, self.on_drain, self.poll_s = folder, on_drain, poll_s
         self.pid = os.getpid()
         self.stopped = threading.Event()
-        _pid_file(folder, self.pid, "serving").touch()
+        registration = {"model": model, "shm_region": stub_shm_region()}
+        _pid_file(folder, self.pid, "serving").write_text(json.dumps(registration))
         self.thread = threading.Thread(target=self._run, name="lookahead-drain-watch", daemon=True)
         self.thread.start()
 
@@ -100,13 +141,23 @@ class DrainWatch:
 
 
 def watch_drain(
-    on_drain: Callable[[], None], env: Mapping[str, str] = os.environ, poll_s: float = POLL_S
+    on_drain: Callable[[], None], env: Mapping[str, str] = os.environ, poll_s: float = POLL_S, model: str = ""
 ) -> DrainWatch | None:
-    """Watch the launcher's drain folder; None when there is none or it is gone."""
+    """Watch the launcher's drain folder, registered as an instance of `model`; None when there is
+    none or it is gone."""
     folder = env.get(DRAIN_ENV)
     if not folder or not Path(folder).is_dir():
         return None
-    return DrainWatch(Path(folder), on_drain, poll_s)
+    return DrainWatch(Path(folder), on_drain, poll_s, model)
+
+
+def restart_count(model: str, env: Mapping[str, str] = os.environ) -> int:
+    """How often the launcher has restarted `model` after a stub of it died (0 without a launcher)."""
+    folder = env.get(DRAIN_ENV)
+    try:
+        return int((Path(folder) / RESTARTS_FOLDER / model).read_text()) if folder else 0
+    except (OSError, ValueError):
+        return 0
 
 
 class Drain:
@@ -132,6 +183,33 @@ class Drain:
         """Serving instances that have not acknowledged the drain."""
         drained = self._running("drained")
         return self._running("serving") - drained
+
+    def dead(self) -> list[DeadInstance]:
+        """Instances whose process ended while serving: killed (SIGKILL, the OOM killer) or crashed,
+        since one that finalizes, drains or leaves unregisters first. Each is reported once."""
+        found = []
+        for path in self.folder.glob("*.serving"):
+            if not path.stem.isdigit():
+                continue
+            pid = int(path.stem)
+            if _alive(pid) or _pid_file(self.folder, pid, "drained").exists():
+                continue
+            try:
+                registration = json.loads(path.read_text() or "{}")
+            except (OSError, ValueError):
+                registration = {}
+            path.unlink(missing_ok=True)
+            model, region = registration.get("model", ""), registration.get("shm_region", "")
+            found.append(DeadInstance(pid, str(model), str(region)))
+        return found
+
+    def count_restart(self, model: str) -> int:
+        """Count one more restart of `model` (the count its new instances publish); the new count."""
+        path = self.folder / RESTARTS_FOLDER / model
+        path.parent.mkdir(exist_ok=True)
+        count = restart_count(model, self.env) + 1
+        path.write_text(str(count))
+        return count
 
     def run(self, timeout_s: float) -> set[int]:
         """Ask every instance to drain and wait for them (at most timeout_s); the ones still pending."""

@@ -91,6 +91,12 @@ FAMILIES: dict[str, tuple[str, str, str, list[float] | None]] = {
         "COUNTER",
         None,
     ),
+    "restarts": (
+        "lookahead_model_restarts_total",
+        "Restarts of the model by the launcher after one of its backend stubs died, since it started.",
+        "COUNTER",
+        None,
+    ),
 }
 
 
@@ -187,8 +193,10 @@ def instance_labels(model: str, version: str, instance: str) -> dict[str, str]:
 
 
 _COUNTERS = tuple(
-    key for key, (_, _, kind, _) in FAMILIES.items() if kind == "COUNTER" and not key.startswith("sync_")
-)  # a request's counters; the sync thread counts the others
+    key
+    for key, (_, _, kind, _) in FAMILIES.items()
+    if kind == "COUNTER" and not key.startswith("sync_") and key != "restarts"
+)  # a request's counters; the sync thread and the instance's start count the others
 
 
 @dataclass(frozen=True)
@@ -278,6 +286,10 @@ class LookaheadMetrics:
     def trie_sync_counted(self, kind: str, count: int) -> None:
         """Count sync events (called from the sync thread; never blocks): kind is one of sync.COUNTS."""
         self.writer.put([(self.metrics[f"sync_{kind}"], "increment", count)])
+
+    def restarts(self, count: int) -> None:
+        """The launcher's restarts of this model so far (backend/drain.py): set once, at the start."""
+        self.writer.put([(self.metrics["restarts"], "increment", count)])
 
     def close(self) -> None:
         """Drop the metrics before their families (after the writer applied what was queued)."""

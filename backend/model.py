@@ -33,7 +33,7 @@ from lookahead.state.sync import TrieSync, entry_token_bound, redacted, stream_k
 from lookahead.state.warmup import warm_up
 
 from .config import BackendConfig
-from .drain import DrainableLog, watch_drain
+from .drain import DrainableLog, remove_region, restart_count, stub_shm_region, watch_drain
 from .engine import SHUTDOWN_MESSAGE, Engine, FailureCode, RequestState, Update
 from .grammars import GrammarStage
 from .metrics import LookaheadMetrics, MetricWriter, instance_labels
@@ -80,7 +80,7 @@ OUTPUTS = [
 # wheels that cannot be installed): the load fails with its message, not a traceback.
 MODEL_ERRORS = (ValueError, OSError, UnsupportedModelError, EmbeddedModelError)
 MAX_LOGGED_ID_CHARS = 128
-ORPHAN_STOP_S = 30.0  # how long an orphaned stub waits for its engine's last step and snapshot
+ORPHAN_STOP_S = 2.0  # how long an orphaned stub waits for its engine's last step and snapshot
 DRAIN_WAIT_S = 20.0  # how long a drain waits for the engine's last step and snapshot, then the sends
 FINALIZE_SENDS_S = 5.0  # how long finalize after a drain waits for the response thread
 SERVER_STOPPING = "the server is shutting down; the request was not completed"
@@ -190,6 +190,8 @@ class TritonPythonModel:
             self._join_fleet(keeper, config, loaded, decoder)
         if self.metrics is not None and keeper is not None:
             self.metrics.trie_size(keeper.trie.node_count, keeper.trie.byte_estimate)
+        if self.metrics is not None:
+            self.metrics.restarts(restart_count(args["model_name"]))
         self.model_version = args["model_version"]
         self.responses = ResponseLoop(
             self.logger, on_final=self._on_final, served=self._served, on_unload=self._on_unload
@@ -215,7 +217,7 @@ class TritonPythonModel:
         self.engine.start()
         self.grammar_stage.start()
         exit_when_orphaned(self._on_orphaned)
-        self.drain_watch = watch_drain(self._drain)
+        self.drain_watch = watch_drain(self._drain, model=self.model_name)
         self.logger.log_info(
             f"{args['model_instance_name']}: serving {loaded.name} on {config.device} "
             f"({config.dtype}, {loaded.execution}), "
@@ -291,7 +293,9 @@ class TritonPythonModel:
     def _on_orphaned(self) -> None:
         """The server exited without finalize(): end the requests (nobody can answer them now) and
         write the last snapshot before the process ends; the last instance to go removes the drain
-        folder its launcher (gone too, or it would have drained us) leaves behind."""
+        folder its launcher (gone too, or it would have drained us) leaves behind, and the
+        shared-memory region the server would have removed."""
+        remove_region(stub_shm_region())
         self.grammar_stage.close(SHUTDOWN_MESSAGE)
         self.engine.unload()
         self.engine.stop(timeout_s=ORPHAN_STOP_S)

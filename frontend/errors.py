@@ -18,6 +18,7 @@ _UNAVAILABLE = (
     "the queue is full",
     "the request waited",
     "the server is shutting down",
+    "Stub process",  # the Python backend's process of the model died: it is being restarted
 )
 RETRY_AFTER_S = 1  # the Retry-After of a 503: the queue or the server may take a request again soon
 

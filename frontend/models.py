@@ -16,7 +16,7 @@ from lookahead.models.chat import chat_prompt
 from lookahead.models.loading import load_tokenizer
 from lookahead.models.prompt_bytes import prompt_byte_limit
 
-from .errors import APIError, model_not_found
+from .errors import APIError, model_not_found, unavailable
 from .triton import Triton
 
 
@@ -32,9 +32,13 @@ class ServedModels:
         return await self.triton.models()
 
     async def require(self, model: str) -> None:
-        """404 unless the server has `model` ready."""
-        if model not in await self.names():
+        """404 unless the server holds `model`; 503 while it is not ready (loading, restarting)."""
+        state = (await self.triton.model_states()).get(model)
+        if state is None:
             raise model_not_found(model)
+        if state != "READY":
+            state = state.lower() or "unknown"
+            raise unavailable(f"the model `{model}` is not ready ({state}); try again soon")
 
     async def chat_prompt(self, model: str, messages: Sequence[dict[str, Any]]) -> str:
         """The conversation in the chat format of what `model` serves, as the raw prompt to send

@@ -3,10 +3,13 @@
 Every request goes over gRPC streaming (the models are decoupled), with the vLLM backend's tensors:
 `text_input`, `stream`, `sampling_parameters`, `exclude_input_in_output` and the `return_*` flags.
 Leaving a request's response iterator early cancels the gRPC call, which cancels the request.
+A request whose model stops being ready while it waits (its stub died and the launcher restarts
+it, launcher/supervisor.py) ends with 503: nothing more would come.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 from collections.abc import AsyncIterator
@@ -18,12 +21,16 @@ import numpy as np
 import tritonclient.grpc.aio as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from lookahead.contract import DEFAULT_MAX_PROMPT_TOKENS, MODEL_ENV
+from lookahead.contract import ADMIN_KEY_ENV, ADMIN_KEY_HEADER, DEFAULT_MAX_PROMPT_TOKENS, MODEL_ENV
 
 from .errors import APIError, from_triton, unavailable
 
 _FLAGS = ("return_finish_reason", "return_num_input_tokens", "return_num_output_tokens")
 _SERVER_ERRORS = (InferenceServerException, grpc.RpcError)  # the server is down, stopping or unreachable
+READY_CHECK_S = 1.0  # how long a request waits for a response before it checks that its model is ready
+MODEL_RESTARTING = (
+    "the model `{model}` is restarting (its backend process ended); the request was not completed"
+)
 
 
 @dataclass(frozen=True)
@@ -133,6 +140,9 @@ class Triton:
 
     def __init__(self, url: str):
         self.client = grpcclient.InferenceServerClient(url)
+        key = os.environ.get(ADMIN_KEY_ENV)  # the launcher restricts the repository index to it
+        # tritonserver reads a restricted protocol's header over gRPC under this prefix
+        self.index_headers = {f"triton-grpc-protocol-{ADMIN_KEY_HEADER}": key} if key else None
 
     async def close(self) -> None:
         await self.client.close()
@@ -145,11 +155,27 @@ class Triton:
 
     async def models(self) -> list[str]:
         """The repository's models that are ready to serve; 503 when the server does not answer."""
+        states = await self.model_states()
+        return sorted(name for name, state in states.items() if state == "READY")
+
+    async def model_states(self) -> dict[str, str]:
+        """Each repository model's state (READY, LOADING, UNLOADING, UNAVAILABLE); 503 when the server
+        does not answer."""
         try:
-            index = await self.client.get_model_repository_index(as_json=True)
+            index = await self.client.get_model_repository_index(headers=self.index_headers, as_json=True)
         except _SERVER_ERRORS as error:
             raise unavailable(f"tritonserver did not answer: {error}") from None
-        return sorted({m["name"] for m in index.get("models", []) if m.get("state") == "READY"})
+        states: dict[str, str] = {}
+        for entry in index.get("models", []):  # READY wins over an older version's state
+            if states.get(entry["name"]) != "READY":
+                states[entry["name"]] = entry.get("state", "")
+        return states
+
+    async def model_ready(self, model: str) -> bool:
+        try:
+            return bool(await self.client.is_model_ready(model))
+        except _SERVER_ERRORS:
+            return False
 
     async def served_model(self, model: str) -> str | None:
         """The model (embedded name or folder) a repository model serves: $LOOKAHEAD_MODEL, which
@@ -184,7 +210,7 @@ class Triton:
         responses = self.client.stream_infer(request())
         finished = False
         try:
-            async for result, error in responses:
+            async for result, error in self._watched(model, responses):
                 if error is not None:
                     finished = True
                     raise from_triton(error.message())
@@ -199,3 +225,20 @@ class Triton:
         finally:
             if not finished:
                 responses.cancel()
+
+    async def _watched(self, model: str, responses: AsyncIterator[Any]) -> AsyncIterator[Any]:
+        """The responses; 503 once `model` is no longer ready while a response is awaited."""
+        iterator = aiter(responses)
+        while True:
+            following = asyncio.ensure_future(anext(iterator))
+            try:
+                while not (await asyncio.wait({following}, timeout=READY_CHECK_S))[0]:
+                    if not await self.model_ready(model):
+                        raise unavailable(MODEL_RESTARTING.format(model=model))
+                item = following.result()
+            except StopAsyncIteration:
+                return
+            finally:
+                if not following.done():
+                    following.cancel()
+            yield item

@@ -12,13 +12,15 @@ progress on the terminal).
 
 A stop ends everything within tritonserver.STOP_TIMEOUT_S, a client's open stream notwithstanding;
 whatever ends the launcher (SIGKILL included) ends the processes it started; an endpoint that
-dies, or cannot serve its port, stops it with exit code 1.
+dies, or cannot serve its port, stops it with exit code 1. A model whose backend stub dies is
+restarted (launcher/supervisor.py), unless the arguments after -- choose a --model-control-mode.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -28,10 +30,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
 
-from lookahead.contract import MODEL_ENV, SYNC_ENV
+from lookahead.contract import ADMIN_KEY_ENV, MODEL_ENV, SYNC_ENV
 
 from .frontend import Frontend, FrontendError, start_frontend
 from .process import refuse_busy_ports
+from .supervisor import Supervisor
 from .tritonserver import REPO_ROOT, TritonServer, TritonServerError, start_server
 
 LOGS_DIR = REPO_ROOT / ".cache" / "logs"
@@ -98,6 +101,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--grpc-port", type=int, default=8001)
     parser.add_argument("--metrics-port", type=int, default=8002)
     parser.add_argument(
+        "--address",
+        help="the interface tritonserver's HTTP, gRPC and metrics ports listen on (default: every one); "
+        "127.0.0.1 behind a proxy, see docs/OPERATIONS.md#security",
+    )
+    parser.add_argument(
         "--log-file",
         type=Path,
         help="appended to (default: .cache/logs/tritonserver-<http port>.log)",
@@ -150,7 +158,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     follower = threading.Thread(target=_follow, args=(log_path, start_offset, stop_following), daemon=True)
     follower.start()
 
+    # The model-control key: the supervisor's (and the endpoint's, to list models), no client's.
+    own_control = any(argument.startswith("--model-control-mode") for argument in extra)
+    admin_key = None if own_control else secrets.token_urlsafe(32)
     server: TritonServer | None = None
+    supervisor: Supervisor | None = None
     openai: Frontend | None = None
     endpoint_died = False
     stop_signal: list[int] = []  # the first SIGINT/SIGTERM once serving: the main thread stops the server
@@ -179,9 +191,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             extra_args=extra,
             extra_env=extra_env,
             ready_timeout_s=args.ready_timeout,
+            admin_key=admin_key,
+            address=args.address,
         )
+        if admin_key is not None and server.drain is not None:
+            supervisor = Supervisor(server.drain, server.http_url, admin_key, args.ready_timeout).start()
         if args.openai_port:
-            openai = start_frontend(server.grpc_url, args.openai_port, env={**os.environ, **extra_env})
+            endpoint_env = {**os.environ, **extra_env, **({ADMIN_KEY_ENV: admin_key} if admin_key else {})}
+            openai = start_frontend(server.grpc_url, args.openai_port, env=endpoint_env)
         endpoint = f"  OpenAI {openai.url}" if openai else ""
         print(
             f"\ntritonserver ready: HTTP {server.http_url}  gRPC {server.grpc_url}  "
@@ -197,15 +214,21 @@ def main(argv: Sequence[str] | None = None) -> int:
                 )
                 endpoint_died = True
                 break
+        if supervisor is not None:
+            supervisor.stop()
         if openai is not None and openai.process.poll() is None:
             openai.process.send_signal(signal.SIGTERM)  # it winds down (5 s) while the models drain
         # After a crash too: it waits for the stubs and removes the drain folder.
         code = server.stop(signum=stop_signal[0] if stop_signal else signal.SIGTERM)
     except KeyboardInterrupt:
+        if supervisor is not None:
+            supervisor.stop()
         if server is not None:
             server.stop()
         code = 130
     except (TritonServerError, FrontendError) as err:
+        if supervisor is not None:
+            supervisor.stop()
         if server is not None:
             server.stop()
         stop_following.set()

@@ -29,6 +29,7 @@ from backend.drain import Drain
 from lookahead.parent_death import ending_with_this_process
 
 from .process import ManagedProcess, ProcessError, refuse_busy_ports
+from .supervisor import model_control_args
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 BACKENDS_CACHE = REPO_ROOT / ".cache" / "triton_backends"
@@ -145,24 +146,28 @@ class TritonServer(ManagedProcess):
         metrics_port: int,
         log_file: Path,
         drain: Drain | None = None,
+        admin_key: str | None = None,
+        host: str = "127.0.0.1",
     ):
-        super().__init__(process, log_file, f"http://127.0.0.1:{http_port}/v2/health/ready")
+        super().__init__(process, log_file, f"http://{host}:{http_port}/v2/health/ready")
+        self.host = host
         self.drain = drain
+        self.admin_key = admin_key
         self.http_port = http_port
         self.grpc_port = grpc_port
         self.metrics_port = metrics_port
 
     @property
     def http_url(self) -> str:
-        return f"localhost:{self.http_port}"
+        return f"{self.host}:{self.http_port}"
 
     @property
     def grpc_url(self) -> str:
-        return f"localhost:{self.grpc_port}"
+        return f"{self.host}:{self.grpc_port}"
 
     @property
     def metrics_url(self) -> str:
-        return f"http://localhost:{self.metrics_port}/metrics"
+        return f"http://{self.host}:{self.metrics_port}/metrics"
 
     def stop(self, timeout_s: float | None = None, signum: int = signal.SIGTERM) -> int:
         """Drain the model instances (their requests answered, their snapshots saved) while the server
@@ -198,10 +203,15 @@ def start_server(
     extra_args: Sequence[str] = (),
     extra_env: Mapping[str, str] | None = None,
     ready_timeout_s: float = 300.0,
+    admin_key: str | None = None,
+    address: str | None = None,
 ) -> TritonServer:
     """Start tritonserver on model_repository and return once it reports ready.
 
-    Output goes to log_file (a new temporary file when None). The server runs in its own session
+    With admin_key, models are loaded and unloaded through the model-control API, which only
+    requests carrying that key may call (launcher/supervisor.py). Output goes to log_file (a new
+    temporary file when None). address: the interface its three ports listen on (None:
+    tritonserver's default, every interface). The server runs in its own session
     so that a Ctrl-C in the terminal reaches only the launcher, which then stops it gracefully:
     its instances drain through a private folder (backend/drain.py), then it gets the signal.
     """
@@ -221,6 +231,8 @@ def start_server(
         f"--http-port={http_port}",
         f"--grpc-port={grpc_port}",
         f"--metrics-port={metrics_port}",
+        *(f"--{port}-address={address}" for port in ("http", "grpc", "metrics") if address),
+        *(model_control_args(admin_key) if admin_key else ()),
         *extra_args,
     ]
     drain = Drain.create()
@@ -245,6 +257,8 @@ def start_server(
         metrics_port=metrics_port,
         log_file=log_path,
         drain=drain,
+        admin_key=admin_key,
+        host=local_host(address),
     )
     try:
         server.wait_ready(ready_timeout_s)
@@ -252,6 +266,13 @@ def start_server(
         server.stop()
         raise
     return server
+
+
+def local_host(address: str | None) -> str:
+    """Where this machine reaches a server listening on `address`."""
+    if address in (None, "", "0.0.0.0", "::"):
+        return "127.0.0.1"
+    return f"[{address}]" if ":" in address else address
 
 
 def _temporary_log() -> Path:

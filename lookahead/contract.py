@@ -58,6 +58,10 @@ MODEL_ENV = "LOOKAHEAD_MODEL"  # set: replaces every model's `model` parameter
 SYNC_ENV = "LOOKAHEAD_TRIE_SYNC"  # set: replaces every model's `trie_sync` parameter
 STATE_DIR_ENV = "LOOKAHEAD_STATE_DIR"  # the folder of every model's default trie_state_dir
 DRAIN_ENV = "LOOKAHEAD_DRAIN_DIR"  # the launcher's drain folder (backend/drain.py)
+# The key of tritonserver's model-control API (launcher/supervisor.py): the header that carries
+# it, and the variable that hands it to the OpenAI endpoint (which lists the models with it).
+ADMIN_KEY_HEADER = "lookahead-admin-key"
+ADMIN_KEY_ENV = "LOOKAHEAD_ADMIN_KEY"
 
 # Text a request carries must be Unicode: JSON's lone \ud800-\udfff escapes are not, and no
 # tokenizer encodes them; the endpoint and the backend refuse them alike.
@@ -94,6 +98,8 @@ def surrogate_message(where: str) -> str:
 
 
 __all__ = [
+    "ADMIN_KEY_ENV",
+    "ADMIN_KEY_HEADER",
     "DEFAULT_MAX_PROMPT_TOKENS",
     "dotted",
     "lone_surrogate",

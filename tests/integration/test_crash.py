@@ -1,26 +1,38 @@
-"""A launcher that dies, however it dies, leaves nothing behind; its stop fits STOP_TIMEOUT_S even
-when a client holds its stream open; it notices its endpoint dying; two launchers racing for one
-port never both claim it. Real processes: `python -m launcher`, tritonserver, its backend stubs and
-the OpenAI endpoint."""
+"""A launcher that dies, however it dies, leaves nothing behind; a model whose backend stub dies ends
+its streams and comes back; its stop fits STOP_TIMEOUT_S even when a client holds its stream open;
+it notices its endpoint dying; two launchers racing for one port never both claim it. Real
+processes: `python -m launcher`, tritonserver, its backend stubs and the OpenAI endpoint."""
 
 from __future__ import annotations
 
 import os
+import queue
+import re
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 from types import SimpleNamespace
 
+import openai
 import pytest
 
+from backend.drain import SHM_PREFIX
 from launcher import free_port
 from launcher.tritonserver import STOP_TIMEOUT_S
+from lookahead.contract import ADMIN_KEY_HEADER
 from tests.helpers import write_toy_repository
-from tests.integration.servers import READY_TIMEOUT_S, copy_repository
+from tests.integration.servers import READY_TIMEOUT_S, copy_repository, set_parameter
 from tests.integration.test_server import GrpcStream, grpc_inputs, wait_for
+
+GONE_S = 5.0  # every process of a SIGKILLed launcher is gone within it, whatever its stubs were doing
+STREAM_END_S = 5.0  # a stream in flight on a model whose stub died ends within it
+BACK_S = 60.0  # and the model serves again within it
 
 
 def descendants(pid: int) -> set[int]:
@@ -68,6 +80,37 @@ def running_with(text: str) -> list[int]:
             if text in command and alive(int(entry.name)):
                 found.append(int(entry.name))
     return found
+
+
+def shm_region(pid: int) -> str:
+    """The shared-memory region a backend stub was started with."""
+    arguments = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    [region] = [os.path.basename(a) for a in arguments if SHM_PREFIX in a]
+    return region
+
+
+def stubs_of(processes: set[int], model: str) -> list[int]:
+    """The backend stubs among processes that serve an instance of model."""
+    found = []
+    for pid in processes:
+        try:
+            command = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"triton_python_backend_stub" in command and f"{model}_0_0".encode() in command:
+            found.append(pid)
+    return found
+
+
+def http(url: str, data: bytes | None = None, headers: dict[str, str] | None = None) -> tuple[int, dict, str]:
+    request = urllib.request.Request(url, data=data, headers=headers or {}, method="POST" if data else "GET")
+    try:
+        with urllib.request.urlopen(request, timeout=30) as reply:
+            return reply.status, dict(reply.headers), reply.read().decode(errors="replace")
+    except urllib.error.HTTPError as error:
+        return error.code, dict(error.headers), error.read().decode(errors="replace")
+    except OSError as error:
+        return 0, {}, str(error)
 
 
 def port_free(port: int) -> bool:
@@ -124,6 +167,162 @@ class Launcher:
 @pytest.fixture
 def baseline(tmp_path: Path) -> Path:
     return copy_repository(tmp_path / "repository", tmp_path / "state", ("baseline",))
+
+
+@pytest.fixture
+def shipped(tmp_path: Path) -> Path:
+    """The shipped repository, its lookahead model saving its trie every second, on transformers'
+    layers (what a crash does is the same on every execution path, and they need no kernel build)."""
+    repository = copy_repository(tmp_path / "repository", tmp_path / "state", ("lookahead", "baseline"))
+    for model in ("lookahead", "baseline"):
+        config = repository / model / "config.pbtxt"
+        config.write_text(set_parameter(config.read_text(), "linear_kernel", "stock"))
+    config = repository / "lookahead" / "config.pbtxt"
+    config.write_text(set_parameter(config.read_text(), "snapshot_interval_s", "1"))
+    return repository
+
+
+def test_a_sigkilled_launcher_leaves_nothing_within_5_s_while_a_stub_with_a_trie_decodes(shipped, tmp_path):
+    launcher = Launcher(shipped, tmp_path)
+    stream = None
+    try:
+        assert launcher.wait_ready(), launcher.text()[-3000:]
+        processes = launcher.processes
+        stubs = stubs_of(processes, "lookahead") + stubs_of(processes, "baseline")
+        assert len(stubs) == 2, processes
+        regions = [shm_region(pid) for pid in stubs]
+        stream = GrpcStream(SimpleNamespace(grpc_url=f"localhost:{launcher.ports['grpc']}"))
+        stream.send("lookahead", grpc_inputs("Hi", sampling_parameters={"max_tokens": 8}), "short")
+        stream.collect()  # the trie learned it, and the snapshot is saved within a second
+        options = {"max_tokens": 4096, "ignore_eos": True}
+        stream.send("lookahead", grpc_inputs("Write a long story.", sampling_parameters=options), "long")
+        assert stream.responses.get(timeout=120)[1] is None  # decoding
+        drains = {drain_folder(pid) for pid in processes} - {None}
+        killed = time.monotonic()
+        launcher.process.kill()  # as the OOM killer does: no handler runs
+        launcher.process.wait()
+        wait_for(lambda: not any(alive(pid) for pid in processes), 30)
+        took = time.monotonic() - killed
+        print(f"every process gone {took:.1f} s after the SIGKILL")
+        assert not [pid for pid in processes if alive(pid)]
+        assert took < GONE_S
+        assert all(port_free(port) for port in launcher.ports.values())
+        assert not any(folder.exists() for folder in drains)
+        assert not [region for region in regions if (Path("/dev/shm") / region).exists()]
+    except BaseException:
+        launcher.kill_everything()
+        raise
+    finally:
+        if stream is not None:
+            stream.close(cancel_requests=True)
+
+
+def test_a_model_whose_stub_is_sigkilled_under_load_ends_its_streams_and_comes_back_warm(shipped, tmp_path):
+    launcher = Launcher(shipped, tmp_path)
+    triton = f"http://127.0.0.1:{launcher.ports['http']}"
+    stream = None
+    try:
+        assert launcher.wait_ready(), launcher.text()[-3000:]
+        processes = launcher.processes
+        [stub] = stubs_of(processes, "lookahead")
+        region = shm_region(stub)
+        # Clients may not load or unload models: only the launcher holds the key.
+        assert http(f"{triton}/v2/repository/models/lookahead/unload", b"{}")[0] != 200
+        bad_key = {ADMIN_KEY_HEADER: "guess"}
+        assert http(f"{triton}/v2/repository/models/lookahead/unload", b"{}", bad_key)[0] != 200
+        client = openai.OpenAI(
+            base_url=f"http://127.0.0.1:{launcher.ports['openai']}/v1",
+            api_key="none",
+            max_retries=0,
+            timeout=300,
+        )
+        prompt = [{"role": "user", "content": "Write a long story."}]
+        taught = client.chat.completions.create(model="lookahead", messages=prompt, max_tokens=16)
+        assert taught.choices[0].message.content
+        time.sleep(2)  # the trie's snapshot (every second)
+        # In flight: a Triton gRPC stream and an OpenAI stream, both decoding.
+        stream = GrpcStream(SimpleNamespace(grpc_url=f"localhost:{launcher.ports['grpc']}"))
+        options = {"max_tokens": 4096, "ignore_eos": True}
+        stream.send("lookahead", grpc_inputs("Write a long story.", sampling_parameters=options), "long")
+        assert stream.responses.get(timeout=120)[1] is None
+        openai_events: queue.Queue = queue.Queue()
+
+        def read_openai_stream() -> None:
+            try:
+                chunks = client.chat.completions.create(
+                    model="lookahead",
+                    messages=prompt,
+                    max_tokens=4096,
+                    stream=True,
+                    extra_body={"ignore_eos": True},
+                )
+                for _ in chunks:
+                    openai_events.put(("chunk", time.monotonic()))
+                openai_events.put(("end", time.monotonic()))
+            except openai.APIError as error:
+                openai_events.put((f"error: {error}", time.monotonic()))
+
+        threading.Thread(target=read_openai_stream, daemon=True).start()
+        assert openai_events.get(timeout=120)[0] == "chunk"
+
+        os.kill(stub, signal.SIGKILL)  # as the OOM killer does
+        killed = time.monotonic()
+
+        # The OpenAI stream ends with an error event; the Triton stream with an error response.
+        while (event := openai_events.get(timeout=30))[0] == "chunk":
+            pass
+        print(f"the OpenAI stream ended {event[1] - killed:.1f} s after the SIGKILL: {event[0]}")
+        assert event[0].startswith("error:") and "restarting" in event[0], event
+        assert event[1] - killed < STREAM_END_S
+        triton_end = None
+        while time.monotonic() < killed + 30 and triton_end is None:
+            try:
+                result, error = stream.responses.get(timeout=1)
+            except queue.Empty:
+                continue
+            if error is not None or result.get_response().parameters["triton_final_response"].bool_param:
+                triton_end = (time.monotonic() - killed, error)
+        print(f"the Triton stream: {triton_end}")
+
+        # Meanwhile: 503 with Retry-After, and readiness says not ready.
+        statuses = []
+        while len(statuses) < 3 or statuses[-1][0] != 200:
+            try:
+                client.chat.completions.create(model="lookahead", messages=prompt, max_tokens=4)
+                statuses.append((200, None, time.monotonic() - killed))
+            except openai.APIStatusError as error:
+                statuses.append(
+                    (error.status_code, error.response.headers.get("retry-after"), time.monotonic() - killed)
+                )
+                ready = http(f"{triton}/v2/models/lookahead/ready")[0]
+                assert error.status_code == 503 and error.response.headers.get("retry-after") == "1", statuses
+                assert ready != 200 or statuses[-1][2] < 1, statuses  # at once, Triton still says ready
+                time.sleep(0.5)
+            assert time.monotonic() - killed < BACK_S, statuses
+        back = time.monotonic() - killed
+        print(f"the model served again {back:.1f} s after the SIGKILL; requests meanwhile: {statuses[:-1]}")
+        assert [status for status, _, _ in statuses[:-1]] == [503] * (len(statuses) - 1) and len(statuses) > 1
+        assert http(f"{triton}/v2/models/lookahead/ready")[0] == 200
+
+        # Warm from its snapshot; the restart counted; nothing of the dead stub left.
+        loads = re.findall(r"Trie for lookahead_0_0: \S+ \((\d+) nodes\)", launcher.text())
+        assert len(loads) == 2 and int(loads[1]) > 0, loads
+        metrics = http(f"http://127.0.0.1:{launcher.ports['metrics']}/metrics")[2]
+        assert re.search(r'lookahead_model_restarts_total\{[^}]*model="lookahead"[^}]*\} 1\b', metrics), [
+            line for line in metrics.splitlines() if "restarts" in line
+        ]
+        assert not (Path("/dev/shm") / region).exists()
+        assert len(stubs_of(descendants(launcher.process.pid), "lookahead")) == 1
+
+        launcher.process.send_signal(signal.SIGTERM)
+        assert launcher.process.wait(timeout=STOP_TIMEOUT_S + 10) == 0, launcher.text()[-3000:]
+        assert not any(alive(pid) for pid in descendants(launcher.process.pid) | processes)
+    except BaseException:
+        launcher.kill_everything()
+        raise
+    finally:
+        if stream is not None:
+            stream.close(cancel_requests=True)
 
 
 def test_a_sigkilled_launcher_takes_tritonserver_its_stubs_and_the_endpoint_with_it(baseline, tmp_path):

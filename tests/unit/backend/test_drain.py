@@ -10,7 +10,7 @@ import sys
 import threading
 import time
 
-from backend.drain import Drain, watch_drain
+from backend.drain import Drain, restart_count, watch_drain
 from launcher import TritonServer
 from launcher.tritonserver import REPO_ROOT
 from lookahead.contract import DRAIN_ENV
@@ -100,3 +100,35 @@ def test_the_last_instance_to_leave_an_orphaned_drain_folder_removes_it(tmp_path
     watch = watch_drain(lambda: None, env={DRAIN_ENV: str(folder)})
     watch.leave()  # the last one: nobody else registered is alive
     assert not folder.exists()
+
+
+def test_an_instance_killed_while_serving_is_reported_once_with_its_model_and_region(tmp_path):
+    drain = Drain(tmp_path)
+    # A stand-in stub: tritonserver passes its shared-memory region as an argument.
+    region = "/triton_python_backend_shm_region_test"
+    script = "import sys, time; from backend.drain import watch_drain; "
+    script += "watch_drain(lambda: None, model='lookahead', poll_s=0.02); print(flush=True); time.sleep(600)"
+    killed = subprocess.Popen(
+        [sys.executable, "-c", script, region],
+        stdout=subprocess.PIPE,
+        env={**os.environ, **drain.env, "PYTHONPATH": str(REPO_ROOT)},
+    )
+    finalized = watch_drain(lambda: None, env=drain.env, model="baseline")
+    assert killed.stdout.readline()  # registered
+    assert drain.dead() == []
+    killed.kill()
+    killed.wait()
+    finalized.stop()  # an instance that finalizes unregisters: it did not die
+    (tmp_path / "999999998.serving").touch()
+    (tmp_path / "999999998.drained").touch()  # one that drained before it ended: a stop, not a death
+    [dead] = drain.dead()
+    assert (dead.pid, dead.model, dead.shm_region) == (killed.pid, "lookahead", region)
+    assert drain.dead() == []
+
+
+def test_restarts_are_counted_per_model_in_the_folder(tmp_path):
+    drain = Drain(tmp_path)
+    assert restart_count("lookahead", drain.env) == 0
+    assert [drain.count_restart("lookahead"), drain.count_restart("lookahead")] == [1, 2]
+    assert (restart_count("lookahead", drain.env), restart_count("baseline", drain.env)) == (2, 0)
+    assert restart_count("lookahead", {}) == 0  # no launcher

@@ -226,6 +226,7 @@ def test_triton_errors_map_to_statuses(message, status):
         "the request waited 5.2 s in the queue, more than queue_timeout_s (5); retry later",
         "the server is shutting down; the request was not completed",
         "the model is being unloaded; the request was not completed",
+        "Stub process 'lookahead_0_0' is not healthy.",  # its process died: the launcher restarts it
     ],
 )
 def test_a_busy_or_stopping_server_is_503_with_retry_after(message):
