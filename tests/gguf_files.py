@@ -17,6 +17,7 @@ from gguf import (
     GGML_QUANT_SIZES,
     MODEL_ARCH_NAMES,
     GGMLQuantizationType,
+    GGUFValueType,
     GGUFWriter,
     get_tensor_name_map,
 )
@@ -111,11 +112,13 @@ def write_gguf(
     tokenizer: bool = True,
     overrides: dict[str, GGMLQuantizationType] | None = None,
     architecture: str | None = None,
+    metadata: dict[str, tuple[Any, GGUFValueType] | None] | None = None,
     **config: Any,
 ) -> Path:
     """A tiny random `model_type` model's GGUF file: every matrix in `qtype` (the token embedding in
     `embedding_type`, default `qtype`; `overrides`: tensor name -> its type), norms and biases F32.
-    architecture: the general.architecture written, if not the model type's."""
+    architecture: the general.architecture written, if not the model type's. metadata: key ->
+    (value, type) written instead of what the model gives it, or None to leave the key out."""
     written_architecture, name = ARCHITECTURE[model_type]
     architecture = architecture or written_architecture
     hf_config = tiny_config(model_type, **config)
@@ -155,6 +158,14 @@ def write_gguf(
         kind = (overrides or {}).get(gguf_name, embedding_type if found == "token_embd" else None) or qtype
         data = encoded(weights, kind, seed=index)
         writer.add_tensor(gguf_name, data, raw_dtype=None if kind == Q.F32 else kind)
+    for key, entry in (metadata or {}).items():
+        if entry is None:
+            writer.kv_data[0].pop(key, None)
+        else:
+            value, kind = entry
+            sub_type = GGUFValueType.get_type(value[0]) if kind == GGUFValueType.ARRAY else None
+            writer.kv_data[0].pop(key, None)
+            writer.add_key_value(key, value, kind, sub_type)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

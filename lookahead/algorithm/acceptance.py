@@ -188,8 +188,10 @@ class AcceptancePredictor:
         self.weights[_START["slope"] : _START["slope"] + _S] = 1.0
         self.weights[_START["intercept"] : _START["intercept"] + _S] = math.log(INITIAL_CALIBRATION)
 
-    def for_request(self) -> RequestAcceptance:
-        return RequestAcceptance(self)
+    def for_request(self, teaches: bool = True) -> RequestAcceptance:
+        """One request's view; teaches: whether its verdicts train these weights (a request with
+        `learn` off only reads them, and learns its own offsets)."""
+        return RequestAcceptance(self, teaches)
 
     def probabilities(self, found: Features, offsets: np.ndarray) -> np.ndarray:
         """Each node's conditional acceptance, before siblings are made to exclude each other."""
@@ -221,8 +223,9 @@ class RequestAcceptance:
     """One request's acceptance estimates: the instance's predictor plus the request's own
     offset per source. `calibrated` and `observe` are what the planner and the runtime call."""
 
-    def __init__(self, predictor: AcceptancePredictor) -> None:
+    def __init__(self, predictor: AcceptancePredictor, teaches: bool = True) -> None:
         self.predictor = predictor
+        self.teaches = teaches
         self.offsets = np.zeros(_S)
 
     def conditionals(self, draft: Draft, found: Features | None = None) -> np.ndarray:
@@ -246,12 +249,13 @@ class RequestAcceptance:
         return weights
 
     def observe(self, draft: Draft, accepted_nodes: list[int]) -> None:
-        """Learn from a verified draft: the instance's weights and this request's offsets."""
+        """Learn from a verified draft: this request's offsets, and the instance's weights if it teaches."""
         if len(draft) < 2:
             return
         found = features(draft)
         mask, accepted = verified_nodes(draft, accepted_nodes)
         errors = accepted[mask] - self.predictor.probabilities(found, self.offsets)[mask]
-        self.predictor.learn(found, mask, errors)
+        if self.teaches:
+            self.predictor.learn(found, mask, errors)
         np.add.at(self.offsets, found.source[mask], REQUEST_RATE * errors)
         np.clip(self.offsets, -OFFSET_LIMIT, OFFSET_LIMIT, out=self.offsets)

@@ -10,6 +10,10 @@ k` token ids (int32) and probabilities (float16), and per row the update that wr
 replaced whole, with the distribution of the latest verified position that read its token (rows
 of the accepted path last, as theirs is the text the request goes on from).
 
+A request with `learn` off writes into a `PrivateRecycles` of its own instead: its rows drafted
+for that request alone, the instance's table read but never written, so nothing it read leaves
+a trace another request could draft from (or time).
+
 No torch here: the runtime computes each row's top k from the logits (runtime/recycling.py).
 """
 
@@ -70,3 +74,45 @@ class RecycleTable:
         """Updates since `token`'s row was written (-1: never)."""
         written = int(self.written[token])
         return self.updates - written if written >= 0 else -1
+
+
+class PrivateRecycles:
+    """One request's own rows over the instance's table, which it reads but never writes: what a
+    request with `learn` off recycles. Its rows are kept sparse (only the tokens it read)."""
+
+    def __init__(self, shared: RecycleTable) -> None:
+        self.shared = shared
+        self.rows: dict[int, tuple[list[int], list[float], int]] = {}  # token -> candidates, probs, update
+        self.updates = 0
+
+    @property
+    def k(self) -> int:
+        return self.shared.k
+
+    @property
+    def vocab_size(self) -> int:
+        return self.shared.vocab_size
+
+    def update(self, tokens: np.ndarray, candidates: np.ndarray, probs: np.ndarray) -> None:
+        """As `RecycleTable.update`, into this request's rows only."""
+        tokens = np.asarray(tokens, dtype=np.int64)
+        if not len(tokens):
+            return
+        if candidates.shape != (len(tokens), self.k) or probs.shape != candidates.shape:
+            raise ValueError(f"expected [{len(tokens)}, {self.k}] candidates and probabilities")
+        self.updates += 1
+        for token, row, p in zip(tokens.tolist(), candidates.tolist(), probs.tolist()):
+            self.rows[token] = (row, p, self.updates)  # of a token given twice, the last row counts
+
+    def next_tokens(self, token: int, limit: int) -> list[tuple[int, float]]:
+        own = self.rows.get(token)
+        if own is None:
+            return self.shared.next_tokens(token, limit)
+        return [(candidate, p) for candidate, p in zip(own[0][:limit], own[1][:limit]) if candidate >= 0]
+
+    def age(self, token: int) -> int:
+        own = self.rows.get(token)
+        return self.updates - own[2] if own is not None else self.shared.age(token)
+
+
+Recycles = RecycleTable | PrivateRecycles  # what a request drafts from and writes into

@@ -52,7 +52,7 @@ from .draft import (
     Draft,
     Evidence,
 )
-from .recycling import RecycleTable
+from .recycling import Recycles
 from .spans import Copy
 from .trie import NO_NODE, NGramTrie
 
@@ -92,7 +92,7 @@ class _MergedView:
         local: NGramTrie | None,
         shared: NGramTrie | None,
         copy: Copy | None,
-        recycled: RecycleTable | None = None,
+        recycled: Recycles | None = None,
     ) -> None:
         self.local = local
         self.shared = shared
@@ -225,7 +225,7 @@ def retrieve_draft(
     stop_words: frozenset[int] = frozenset(),
     min_prob: float = 0.0,
     admits: Admits | None = None,
-    recycled: RecycleTable | None = None,
+    recycled: Recycles | None = None,
 ) -> Draft:
     """The draft to verify after `context`: at most `decoding_length` nodes (root included), depth
     at most `branch_length`, tokens[0] == context[-1]; the bare root when nothing matches.

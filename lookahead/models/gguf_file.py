@@ -1,8 +1,10 @@
 """A GGUF file as a transformers model: its config, tokenizer, chat template and weights, all from the file.
 
-`open_gguf(path)` checks the file (gguf_header.py); whatever makes it unservable (missing, a
-directory, not GGUF, truncated, an architecture or tensor type this loader does not read) is a
-`GGUFError` of one line naming the file and what is wrong. `GGUFModelFile.build()` makes the
+`open_gguf(path)` checks the file (gguf_header.py) and its metadata (gguf_checks.py); whatever
+makes it unservable (missing, a directory, not GGUF, truncated, an architecture or tensor type
+this loader does not read, sizes or token ids transformers cannot build a model of, a tokenizer
+that cannot be built, a chat template that cannot render) is a `GGUFError` of one line naming
+the file and what is wrong. `GGUFModelFile.build()` makes the
 transformers model on the meta device (no memory) and fills it through gguf's tensor name map
 and transformers' GGUF tensor processors. Where the weights can stay compact it fills only the
 small tensors:
@@ -38,7 +40,8 @@ from torch import nn
 
 from .embedded import cache_dir
 from .gguf_blocks import UNPACKERS, BlockForm, integer_form
-from .gguf_header import MAGIC, GGUFHeader, HeaderError, TensorInfo, read_header
+from .gguf_checks import MetadataError, check_chat_template, check_merges, check_metadata
+from .gguf_header import MAGIC, GGUFHeader, HeaderError, TensorInfo, read_header, read_strings
 from .quantized_embedding import QuantizedEmbedding
 
 # general.architecture values loaded here: transformers' GGUF loader reads each into a causal LM
@@ -96,6 +99,10 @@ class GGUFModelFile:
                     f"{path}: tensor {tensor.name} has type {tensor.qtype.name}, which this server "
                     "cannot read (gguf has no dequantisation for it)"
                 )
+        try:
+            check_metadata(header.metadata, self.tensors, self.architecture)
+        except MetadataError as error:
+            raise GGUFError(f"{path}: {error}") from None
         with open(path, "rb") as file:
             self.digest = hashlib.blake2b(file.read(header.data_offset), digest_size=16).hexdigest()
         self.cache_key = cache_key or self.digest
@@ -124,13 +131,29 @@ class GGUFModelFile:
                 try:
                     os.chmod(staging, 0o755)  # mkdtemp's 0o700 would hide it from other users
                     if self.has_tokenizer:
-                        self._from_file("AutoTokenizer", "tokenizer").save_pretrained(staging)
+                        self._check_merges()
+                        tokenizer = self._from_file("AutoTokenizer", "tokenizer")
+                        try:
+                            check_chat_template(tokenizer)
+                        except MetadataError as error:
+                            raise GGUFError(f"{self.path}: {error}") from None
+                        tokenizer.save_pretrained(staging)
                     self._from_file("AutoConfig", "config").save_pretrained(staging)
                     shutil.rmtree(target, ignore_errors=True)
                     os.rename(staging, target)
                 finally:
                     shutil.rmtree(staging, ignore_errors=True)
         return target
+
+    def _check_merges(self) -> None:
+        tokens = self.header.metadata.get("tokenizer.ggml.tokens")
+        merges = self.header.metadata.get("tokenizer.ggml.merges")
+        if tokens is None or merges is None:
+            return
+        try:
+            check_merges(read_strings(self.path, tokens), read_strings(self.path, merges))
+        except (MetadataError, HeaderError) as error:
+            raise GGUFError(f"{self.path}: {error}") from None
 
     def _from_file(self, auto_class: str, what: str) -> Any:
         import transformers
@@ -139,8 +162,13 @@ class GGUFModelFile:
             return getattr(transformers, auto_class).from_pretrained(
                 str(self.path.parent), gguf_file=self.path.name, local_files_only=True
             )
-        except (ValueError, KeyError, TypeError, OSError) as error:
-            raise GGUFError(f"{self.path}: its {what} cannot be read ({_one_line(error)})") from None
+        except BaseException as error:  # transformers' and tokenizers' own (a Rust panic included)
+            if not isinstance(error, Exception) and type(error).__name__ != "PanicException":
+                raise  # KeyboardInterrupt, SystemExit
+            raise GGUFError(
+                f"{self.path}: its {what} cannot be built from its metadata "
+                f"({type(error).__name__}: {_one_line(error)})"
+            ) from None
 
     def build(self, dtype: torch.dtype, compact: bool) -> Any:
         """The transformers model, in eval mode. compact (fp32 on the CPU): linear layers with an
@@ -277,4 +305,4 @@ def _dequantizable() -> set[GGMLQuantizationType]:
 
 
 def _one_line(error: BaseException) -> str:
-    return " ".join(str(error).split()) or type(error).__name__
+    return " ".join(str(error).split())[:300] or type(error).__name__

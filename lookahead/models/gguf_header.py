@@ -19,6 +19,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 MAGIC = b"GGUF"
 VERSIONS = (2, 3)
 DEFAULT_ALIGNMENT = 32
+MAX_NESTING = 8  # arrays within arrays: real files nest at most 2 deep; the parser recurses per level
 _SCALARS = {
     GGUFValueType.UINT8: "<B",
     GGUFValueType.INT8: "<b",
@@ -40,10 +41,11 @@ class HeaderError(ValueError):
 
 @dataclass(frozen=True)
 class Array:
-    """A metadata array, stepped over: its item type and length."""
+    """A metadata array, stepped over: its item type, length and where its items start."""
 
     item_type: GGUFValueType
     length: int
+    offset: int
 
 
 @dataclass(frozen=True)
@@ -68,6 +70,14 @@ class GGUFHeader:
     data_offset: int  # where the tensors' bytes start: the header is everything before
 
 
+def read_strings(path: Path, array: Array) -> list[str]:
+    """The items of a string array of a header read from `path` (checked by `read_header`)."""
+    with open(path, "rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as data:
+        parser = _Parser(data)
+        parser.offset = array.offset
+        return [parser._string() for _ in range(array.length)]
+
+
 def read_header(path: Path) -> GGUFHeader:
     """The checked header of the GGUF file at `path`; HeaderError says what is wrong."""
     with open(path, "rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as data:
@@ -88,7 +98,7 @@ class _Parser:
         metadata = {}
         for _ in range(kv_count):
             key = self._string()
-            metadata[key] = self._value(self._type())
+            metadata[key] = self._value(self._type(), key)
         layout: list[tuple[str, GGMLQuantizationType, tuple[int, ...], int]] = []
         for _ in range(tensor_count):
             name = self._string()
@@ -146,23 +156,26 @@ class _Parser:
         except ValueError:
             raise HeaderError(f"metadata value type {raw} at byte {self.offset - 4} is unknown") from None
 
-    def _value(self, kind: GGUFValueType) -> Any:
+    def _value(self, kind: GGUFValueType, key: str, depth: int = 0) -> Any:
         if kind == GGUFValueType.STRING:
             return self._string()
         if kind != GGUFValueType.ARRAY:
             return self._scalar(_SCALARS[kind])
         item_type, length = self._type(), self._scalar("<Q")
+        start = self.offset
         if item_type == GGUFValueType.STRING:
             for _ in range(length):
                 self.offset += 8 + self._peek_length()
         elif item_type == GGUFValueType.ARRAY:
+            if depth + 1 >= MAX_NESTING:
+                raise HeaderError(f"metadata {key} nests arrays more than {MAX_NESTING} deep")
             for _ in range(length):
-                self._value(GGUFValueType.ARRAY)
+                self._value(GGUFValueType.ARRAY, key, depth + 1)
         else:
             self._bytes(struct.calcsize(_SCALARS[item_type]) * length)
         if self.offset > len(self.data):
             raise self._truncated(self.offset)
-        return Array(item_type, length)
+        return Array(item_type, length, start)
 
     def _peek_length(self) -> int:
         """The length of the string at the offset (its 8-byte prefix), without moving."""

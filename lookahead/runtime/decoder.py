@@ -350,8 +350,8 @@ class LookaheadDecoder:
             except Exception as error:
                 failed[id(gen)] = _failure(gen, error)
                 continue
-            if self.recycled is not None:
-                recycle(self.recycled, segment.draft, logits, verdicts[id(gen)].accepted_nodes)
+            if gen.recycled is not None:
+                recycle(gen.recycled, segment.draft, logits, verdicts[id(gen)].accepted_nodes)
         self.runner.pool.compact(
             [
                 move
@@ -365,7 +365,8 @@ class LookaheadDecoder:
         elapsed = time.perf_counter() - started
         width = sum(work.segment.width for work in works)
         self.cost.observe(width, elapsed)
-        if all(not work.segment.prompt for work in works):
+        # the yield is a statistic of acceptance: a step with a request that does not learn adds none
+        if all(not work.segment.prompt and work.gen.config.learn for work in works):
             self.cost.observe_yield(sum(len(verdict.tokens) for verdict in verdicts.values()), width)
         outputs = dict(failed)
         for work, logits in zip(works, rows):

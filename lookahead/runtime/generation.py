@@ -19,7 +19,7 @@ import torch
 from ..algorithm.acceptance import AcceptancePredictor
 from ..algorithm.draft import FROM_GRAMMAR, Draft
 from ..algorithm.drafters import Drafter, DraftQuery, DraftRequest, make_drafter
-from ..algorithm.recycling import RecycleTable
+from ..algorithm.recycling import PrivateRecycles, Recycles, RecycleTable
 from ..algorithm.trie import NGramTrie, TrieWriter
 from ..algorithm.verify import Verdict
 from ..config import LookaheadConfig, SamplingParams
@@ -121,7 +121,13 @@ class Generation:
         self.started: float | None = None
         eos = () if params.ignore_eos else shared.eos_token_ids
         self.stop_tokens = frozenset(eos) | frozenset(params.stop_token_ids)  # tokens that end the output
-        self.acceptance = shared.acceptance.for_request()  # how likely each draft node is accepted
+        # How likely each draft node is accepted; with `learn` off the instance's predictor is only read.
+        self.acceptance = shared.acceptance.for_request(teaches=config.learn)
+        # The table this request drafts from and writes its verified rows into: with `learn` off,
+        # rows of its own over the instance's (nothing shared learns from a private request).
+        self.recycled: Recycles | None = shared.recycled
+        if shared.recycled is not None and not config.learn:
+            self.recycled = PrivateRecycles(shared.recycled)
         # min_tokens keeps EOS out even with ignore_eos, as vLLM does.
         suppressed = (*shared.eos_token_ids, *params.stop_token_ids)
         self.selector = TokenSelector(params, prompt_ids, suppressed, shared.device, grammar)
@@ -148,7 +154,7 @@ class Generation:
                     shared.trie_depth,
                     self.stop_tokens,
                     self.stop_words,
-                    recycled=shared.recycled,
+                    recycled=self.recycled,
                     siblings=siblings.trie if siblings is not None else None,
                 )
             )
@@ -204,7 +210,7 @@ class Generation:
         if self.fed is not None:
             self.shared.release(self)
             self.fed = None
-        self.drafter, self.learner = None, None
+        self.drafter, self.learner, self.recycled = None, None, None
         if self.finish_reason is None:
             self.finish_reason = reason
 

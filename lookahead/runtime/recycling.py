@@ -15,10 +15,10 @@ import numpy as np
 import torch
 
 from ..algorithm.draft import Draft
-from ..algorithm.recycling import RecycleTable
+from ..algorithm.recycling import Recycles
 
 
-def recycle(table: RecycleTable, draft: Draft, logits: torch.Tensor, accepted_nodes: Sequence[int]) -> None:
+def recycle(table: Recycles, draft: Draft, logits: torch.Tensor, accepted_nodes: Sequence[int]) -> None:
     """Write each node's top candidates (logits: [len(draft), vocab], row i after node i's path)."""
     path = [0, *accepted_nodes]
     on_path = set(path)

@@ -7,6 +7,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from gguf import GGUFValueType
 
 from launcher import TritonServer, TritonServerError
 from lookahead import LookaheadDecoder, NGramTrie, SamplingParams
@@ -66,3 +67,22 @@ def test_a_truncated_gguf_file_fails_the_load_with_one_line_naming_it(gguf: Path
     logged = [line for line in lines if message in line]
     assert logged and logged[0].startswith("E"), lines  # logged as an error, on its own line
     assert not any("gguf_file.py" in line or "Traceback" in line for line in lines)
+
+
+def test_a_gguf_file_whose_chat_template_cannot_render_fails_the_load_with_one_line(tmp_path: Path) -> None:
+    bad = write_gguf(
+        tmp_path / "template.gguf",
+        "llama",
+        Q.Q8_0,
+        metadata={"tokenizer.chat_template": ("{% include 'secrets.txt' %}", GGUFValueType.STRING)},
+    )
+    with pytest.raises(TritonServerError, match="exited with code"):
+        launch(repository_serving(tmp_path, bad), tmp_path / "server.log")
+    lines = (tmp_path / "server.log").read_text().splitlines()
+    message = (
+        f"lookahead_0_0: cannot serve '{bad}': {bad}: tokenizer.chat_template cannot render a conversation "
+        "(TypeError: no loader for this environment specified)"
+    )
+    logged = [line for line in lines if message in line]
+    assert logged and logged[0].startswith("E"), lines
+    assert not any("Traceback" in line for line in lines)

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from ...config import LookaheadConfig
 from ..draft import Draft
-from ..recycling import RecycleTable
+from ..recycling import Recycles
 from ..retrieval import Admits
 from ..trie import NGramTrie
 
@@ -36,7 +36,7 @@ class DraftRequest:
     trie_depth: int  # the longest n-gram the instance's trie holds
     stop_tokens: frozenset[int]  # tokens that end the request: nothing is drafted below one
     stop_words: frozenset[int]  # LookaheadConfig.stop_words as token ids
-    recycled: RecycleTable | None = None  # the model's recycled candidates (None: the instance keeps none)
+    recycled: Recycles | None = None  # the model's recycled candidates (None: the instance keeps none)
     # Where the request is one of several samples of its prompt and the instance's trie does not
     # learn their outputs: the trie that holds the prompt and every sample's output (None: none).
     siblings: NGramTrie | None = None

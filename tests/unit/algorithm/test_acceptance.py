@@ -189,7 +189,21 @@ def test_memory_is_fixed_however_long_it_learns() -> None:
         view.observe(draft, verdict(draft, truth, rng))
     assert predictor.weights.shape == (WEIGHTS,) and view.offsets.shape == (len(SOURCES),)
     assert np.isfinite(predictor.weights).all()
-    assert sorted(vars(predictor)) == ["seen", "weights"] and sorted(vars(view)) == ["offsets", "predictor"]
+    assert sorted(vars(predictor)) == ["seen", "weights"]
+    assert sorted(vars(view)) == ["offsets", "predictor", "teaches"]
+
+
+def test_a_view_that_does_not_teach_learns_only_its_own_offsets() -> None:
+    """A request with `learn` off reads the instance's weights and leaves them as they were."""
+    rng = random.Random(3)
+    predictor = AcceptancePredictor()
+    weights, seen = predictor.weights.copy(), predictor.seen.copy()
+    view = predictor.for_request(teaches=False)
+    for _ in range(50):
+        draft, truth = synthetic_draft(rng)
+        view.observe(draft, verdict(draft, truth, rng))
+    assert np.array_equal(predictor.weights, weights) and np.array_equal(predictor.seen, seen)
+    assert view.offsets.any()
 
 
 def test_sources_and_features_read_what_the_drafter_knew() -> None:
