@@ -215,7 +215,7 @@ def plain_greedy(model: Any, prompt: list[int], max_tokens: int) -> list[int]:
         from lookahead import LookaheadConfig, LookaheadDecoder, SamplingParams
 
         config = LookaheadConfig(use_lookahead=False)
-        decoder = LookaheadDecoder(model, ByteTokenizer(), None, config, eos_token_ids=model_eos_ids(model))
+        decoder = LookaheadDecoder(model, IdsOnly(), None, config, eos_token_ids=model_eos_ids(model))
         return decoder.generate(prompt, SamplingParams(max_tokens=max_tokens))[0]
     ids = torch.tensor([prompt], device=model.device)
     out = model.generate(
@@ -252,6 +252,16 @@ def tree_logits(model: Any, prefix: list[int], tree: list[int], parents: list[in
         cache=cache,
         use_cache=True,
     ).logits[0]
+
+
+class IdsOnly:
+    """A tokenizer for token ids alone: every id decodes to nothing (any vocabulary)."""
+
+    pad_token_id = None
+    eos_token_id = None
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return ""
 
 
 class ByteTokenizer:

@@ -4,10 +4,13 @@ The kernel (csrc/packed_linear.cpp), the lean layers (csrc/lean_layer.cpp) and t
 are compiled by the machine's g++ (torch.utils.cpp_extension) once per variant into the kernels
 cache (cache_dirs.py: .cache/kernels in a checkout; or $LOOKAHEAD_KERNEL_DIR); a build is keyed
 by the sources, the flags and the torch version, so a changed source never loads a stale library.
+Builds of one variant take turns under an flock the kernel drops when its holder dies, so a build
+killed halfway (an OOM kill, a stopped stub) never leaves the next load waiting on its lock file.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import platform
@@ -135,13 +138,17 @@ def load_extension(variant: Variant) -> ModuleType:
     build = _BUILD_ROOT / f"{variant.module_name}-torch{torch.__version__}-{digest[:12]}"
     build.mkdir(parents=True, exist_ok=True)
     try:
-        return cpp_extension.load(
-            variant.module_name,
-            [str(f) for f in files if f.suffix == ".cpp"],
-            extra_cflags=flags,
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(build),
-        )
+        with open(build / "build.flock", "w") as turn:
+            fcntl.flock(turn, fcntl.LOCK_EX)
+            # Every builder holds the flock first: a torch lock file seen here was left by one that died.
+            (build / "lock").unlink(missing_ok=True)
+            return cpp_extension.load(
+                variant.module_name,
+                [str(f) for f in files if f.suffix == ".cpp"],
+                extra_cflags=flags,
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(build),
+            )
     except (OSError, RuntimeError, ImportError) as error:
         raise FastPathUnavailable(
             f"could not build the {variant.name} kernel in {_SOURCES}: {error}"

@@ -27,7 +27,7 @@ ALLOWED = {
     "runtime": {"runtime", "algorithm", "structured"},
     "structured": {"structured", "algorithm"},
     "state": {"state", "algorithm"},
-    "models": {"models", "runtime", "cpu"},
+    "models": {"models", "runtime", "cpu", "algorithm"},
     "cpu": {"cpu", "runtime", "algorithm"},
 }
 # the project's packages, lowest first -> what each may import of the project

@@ -56,3 +56,26 @@ def test_prepare_refuses_what_is_neither_an_embedded_model_nor_a_folder(
 ) -> None:
     assert cli.main(["prepare", str(tmp_path / "nothing")]) == 2
     assert "neither embedded models" in capsys.readouterr().err
+
+
+def test_a_build_killed_halfway_leaves_no_lock_that_stalls_the_next_load() -> None:
+    """torch's build lock file, left by a builder that died, must not make the next load wait."""
+    import subprocess
+    import sys
+
+    from lookahead.cpu.extension import chosen_variant, load_extension
+
+    build = Path(load_extension(chosen_variant()).__file__).parent
+    (build / "lock").touch()  # what a builder killed inside cpp_extension.load leaves behind
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", "from lookahead.cpu.extension import *; load_extension(chosen_variant())"],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+    finally:
+        stale = (build / "lock").exists()
+        (build / "lock").unlink(missing_ok=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert not stale

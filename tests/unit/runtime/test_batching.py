@@ -12,7 +12,7 @@ import torch
 from lookahead import Draft, LookaheadConfig, LookaheadDecoder, NGramTrie, SamplingParams
 from lookahead.runtime import kv_pool
 from lookahead.runtime.kv_pool import KVCacheFull, KVPool
-from tests.helpers import LINEAR_KERNELS, plain_greedy, repetitive_prompt
+from tests.helpers import LINEAR_KERNELS, model_eos_ids, plain_greedy, repetitive_prompt
 
 
 def run_concurrently(decoder: LookaheadDecoder, requests: list[tuple[list[int], SamplingParams, int]]):
@@ -82,7 +82,9 @@ def test_random_mixes_of_prompt_chunks_and_draft_widths_match_running_alone(
     for prompt, params, _ in requests[::2]:  # likely drafts for some requests, none for the others
         trie.insert(prompt[-3:] + plain_greedy(model, prompt, params.max_tokens)[:8])
     config = LookaheadConfig(decoding_length=10, branch_length=6, adaptive=False)
-    decoder = LookaheadDecoder(model, byte_tokenizer, trie, config, step_token_budget=32)
+    decoder = LookaheadDecoder(
+        model, byte_tokenizer, trie, config, model_eos_ids(model), step_token_budget=32
+    )  # stops at the model's EOS, as plain_greedy does
     outputs, batch_sizes = run_concurrently(decoder, requests)
     assert max(batch_sizes) >= 3
     for i, (prompt, params, _) in enumerate(requests):
