@@ -27,6 +27,7 @@ import torch
 from lookahead.runtime.decoder import LookaheadDecoder
 from lookahead.runtime.generation import Generation, GenerationStats, StepOutput
 from lookahead.runtime.logprobs import PositionLogprobs
+from lookahead.runtime.step_timing import StepTimes
 from lookahead.state.keeper import TrieKeeper
 from lookahead.structured import CompiledGrammar, GrammarLimitError
 
@@ -151,6 +152,28 @@ class Update:
         return self.samples or (self,)
 
 
+@dataclass(frozen=True)
+class EngineStepTimes:
+    """One engine iteration that ran a step: the decoder's parts (`StepTimes`) and the engine
+    thread's own, in seconds; `wait` is the rest of the iteration's wall time (the GIL held by the
+    response and metrics threads, the inbox)."""
+
+    decoder: StepTimes
+    admit: float  # the inbox, queue limits, starting generations
+    respond: float  # turning the step's outputs into updates and queueing them
+    keeper: float  # the global trie between steps
+    wall: float
+
+    @property
+    def wait(self) -> float:
+        return max(0.0, self.wall - self.decoder.total - self.admit - self.respond - self.keeper)
+
+    def parts(self) -> dict[str, float]:
+        """Every part by name; they add up to `wall`."""
+        own = {"admit": self.admit, "respond": self.respond, "keeper": self.keeper, "wait": self.wait}
+        return {**self.decoder.parts(), **own}
+
+
 def merged_stats(every: list[GenerationStats]) -> GenerationStats:
     """The stats of several samples of one prompt as one request's: tokens and drafts summed."""
     if len(every) == 1:
@@ -184,6 +207,8 @@ class Engine:
         max_queued_requests: int = BackendConfig.max_queued_requests,
         queue_timeout_s: float = BackendConfig.queue_timeout_s,
         on_step: Callable[[list[TokenArrival], float], None] | None = None,
+        on_step_timed: Callable[[EngineStepTimes], None] | None = None,
+        on_cost: Callable[[list[tuple[int, float | None, float | None]]], None] | None = None,
     ):
         if max_running_requests < 1:
             raise ValueError(f"max_running_requests must be >= 1, got {max_running_requests}")
@@ -201,6 +226,10 @@ class Engine:
         self.unloaded = threading.Event()  # set by the engine thread once unload() took effect
         self.on_stopped = on_stopped
         self.on_step = on_step  # told each step's tokens before their responses are emitted
+        self.on_step_timed = on_step_timed  # told where each step's wall time went
+        self.on_cost = on_cost  # told the planner's cost curve (CostModel.table) as requests finish
+        self._began = 0.0  # when the engine's current iteration began (after any idle wait)
+        self._responding = 0.0  # seconds the current step spent on its updates
         # Requests, _WAKE (look at `unloading` now) or None (stop).
         self.inbox: queue.SimpleQueue[RequestState | object | None] = queue.SimpleQueue()
         self.waiting: deque[RequestState] = deque()  # validated, not yet admitted (engine thread)
@@ -246,6 +275,7 @@ class Engine:
     def _run(self) -> None:
         message = SHUTDOWN_MESSAGE
         try:
+            self._began = time.perf_counter()
             while self._admit():
                 if self.unloading:
                     self._fail_everything(FailureCode.UNAVAILABLE, self.unload_message)
@@ -253,9 +283,23 @@ class Engine:
                         self._save()
                         self.unloaded.set()
                     continue
-                self._advance()
+                admitted = time.perf_counter()
+                stepped = self._advance()
+                advanced = time.perf_counter()
                 if self.keeper is not None:
                     self.keeper.between_steps()
+                ended = time.perf_counter()
+                if stepped and self.on_step_timed is not None:
+                    self.on_step_timed(
+                        EngineStepTimes(
+                            self.decoder.last_step,
+                            admitted - self._began,
+                            self._responding,
+                            ended - advanced,
+                            ended - self._began,
+                        )
+                    )
+                self._began = ended
         except BaseException as error:
             message = ENGINE_FAILED.format(error=f"{type(error).__name__}: {error}")
             self.log.log_error(
@@ -304,6 +348,8 @@ class Engine:
             idle = not self.active and not self.waiting
             try:
                 state = self.inbox.get(block=idle, timeout=self._idle_timeout() if idle else None)
+                if idle:
+                    self._began = time.perf_counter()  # waiting for work is no step's time
             except queue.Empty:
                 if not idle:
                     break
@@ -380,14 +426,17 @@ class Engine:
         """While idle, wake up only for the keeper: a snapshot that is due, entries to insert."""
         return None if self.keeper is None else self.keeper.idle_timeout()
 
-    def _advance(self) -> None:
-        """One batched step of every running request; cancelled ones end first."""
+    def _advance(self) -> bool:
+        """One batched step of every running request; cancelled ones end first. False when none
+        was left to step."""
         for state in [s for s in self.active if s.cancelled]:
             self._cancel(state)
         # One forward for everyone: new requests read their prompts in chunks beside the running
         # requests' steps, so a long prompt never stalls a stream for more than a step.
-        if self.active:
-            self._step(list(self.active))
+        if not self.active:
+            return False
+        self._step(list(self.active))
+        return True
 
     def _step(self, states: list[RequestState]) -> None:
         """One decoder.step() for these requests, then their updates. A request whose own work
@@ -412,6 +461,7 @@ class Engine:
                     self._fail(state, error)
         if self.keeper is not None:
             self.keeper.mark_changed()
+        responding = time.perf_counter()
         pairs = {id(s): list(zip(running[id(s)], results[id(s)])) for s in states}
         self._timestamp([pair for s in states for pair in pairs[id(s)]])
         for state in states:
@@ -428,6 +478,7 @@ class Engine:
                     self._finish(state, update)
                 else:
                     self.emit(update)
+        self._responding = time.perf_counter() - responding
 
     def _timestamp(self, pairs: list[tuple[RequestState, StepOutput]]) -> None:
         """Note when each request's (or sample's) tokens came, and tell on_step before any response
@@ -572,6 +623,8 @@ class Engine:
         if state in self.active:
             self.active.remove(state)
         self.emit(update)
+        if self.on_cost is not None:
+            self.on_cost(self.decoder.cost.table())
         trie = self.decoder.trie
         if trie is not None and self.on_trie_size is not None:
             self.on_trie_size(trie.node_count, trie.byte_estimate)

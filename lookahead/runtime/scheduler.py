@@ -2,13 +2,15 @@
 
 Running requests' roots come first; then, first come first served, prompts that fit whole (their
 last token becomes a root); then the drafts of every root, node by node where they pay
-(planner.plan_step), next to at most one partial prompt chunk, which gets what is left (and at
-least an eighth of the budget, so a prompt always advances). With no running request to stall,
+(planner.plan_step; none is retrieved where no node can pay), next to at most one partial
+prompt chunk, which gets what is left (and at least an eighth of the budget, so a prompt always
+advances). With no running request to stall,
 the first prompt is read whole. The decoder (decoder.py) turns the plan into one forward.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
@@ -61,6 +63,7 @@ class Scheduled(Generic[R]):
 class StepPlan(Generic[R]):
     scheduled: list[Scheduled[R]] = field(default_factory=list)
     failed: list[tuple[R, Exception]] = field(default_factory=list)  # requests whose retrieval raised
+    draft_seconds: float = 0.0  # spent in the requests' retrieval
 
 
 def schedule(
@@ -96,13 +99,19 @@ def schedule(
     drafts = []
     for request in list(rooted):
         draft = Draft.root_only(request.ids[-1])
-        if not capped and room:
+        # Where no node can pay (least >= 1: a compute-bound step of many requests), an adaptive
+        # request declines to draft, and its retrieval is not paid for either.
+        declined = request.config.adaptive and least >= 1.0
+        if not capped and room and not declined:
+            started = time.perf_counter()
             try:
                 draft = request.retrieve(room + 1, least if request.config.adaptive else 0.0)
             except Exception as error:  # this request fails; the others go on
                 plan.failed.append((request, error))
                 rooted.remove(request)
                 continue
+            finally:
+                plan.draft_seconds += time.perf_counter() - started
         drafts.append(draft)
     drafts = plan_step(
         drafts,

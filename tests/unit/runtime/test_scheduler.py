@@ -124,6 +124,17 @@ def test_drafts_are_trimmed_where_they_do_not_pay() -> None:
     assert len(item.draft) == 1
 
 
+def test_where_no_node_can_pay_no_draft_is_retrieved() -> None:
+    steep = CostModel({q: float(q) for q in POINTS})  # compute-bound: a row costs a whole forward
+    requests = [running(offer=10) for _ in range(8)]
+    plan = schedule(requests, budget=64, cost=steep)
+    assert all(len(item.draft) == 1 for item in plan.scheduled)
+    assert all(request.asked == [] for request in requests)
+    opted_out = running(offer=10, config=LookaheadConfig(adaptive=False))
+    (item,) = schedule([opted_out], budget=64, cost=steep).scheduled
+    assert opted_out.asked and len(item.draft) == 11
+
+
 def test_an_unadmitted_request_is_refused() -> None:
     with pytest.raises(ValueError, match="admitted"):
         schedule([Request(ids=[1, 2], fed=None, prompt_len=2)], budget=8, cost=CostModel(FLAT))
