@@ -33,7 +33,7 @@ from ..structured import CompiledGrammar, GrammarCompiler, GrammarMatcher
 from .generation import Generation, GenerationStats, Shared, Siblings, StepOutput
 from .recycling import recycle
 from .runner import ModelRunner, Work
-from .scheduler import schedule
+from .scheduler import Scheduler
 from .step_inputs import Segment
 from .step_timing import StepTimes
 from .stop_words import stop_word_ids
@@ -99,8 +99,10 @@ class LookaheadDecoder:
         self.trie = trie
         self.config = config
         self.eos_token_ids = tuple(eos_token_ids)
-        self.step_token_budget = step_token_budget
-        self.max_speculative_batch = max_speculative_batch
+        # Admission and each step's plan (the backend's engine drives its request side).
+        self.scheduler: Scheduler[Any] = Scheduler(
+            self.runner.fits, step_token_budget=step_token_budget, max_speculative_batch=max_speculative_batch
+        )
         # A request's own trie is as deep as the shared one; copies (spans.py) may draft deeper.
         self.trie_depth = trie.max_depth if trie is not None else TrieConfig.depth
         self.device = self.runner.device
@@ -212,15 +214,18 @@ class LookaheadDecoder:
         request_id: str = "",
         grammar: CompiledGrammar | None = None,
         siblings: Siblings | None = None,
+        checked: bool = False,
     ) -> Generation:
         """One request's generation (one sample: start_samples starts several). grammar:
         params.structured_outputs compiled (`self.grammars.compile`); the backend compiles it before
         the request reaches the engine thread and passes it here. Without it the constraint is
-        compiled on the caller's thread."""
+        compiled on the caller's thread. checked: `check_request` passed already (the backend runs
+        it as it parses the request), so a request is validated once."""
         if params.samples > 1:
             raise ValueError(f"{params.samples} samples are several generations: use start_samples")
         config = lookahead or self.config
-        self.check_request(len(prompt_ids), params, config)
+        if not checked:
+            self.check_request(len(prompt_ids), params, config)
         shared = Shared(
             tokenizer=self.tokenizer,
             eos_token_ids=self.eos_token_ids,
@@ -247,19 +252,23 @@ class LookaheadDecoder:
         lookahead: LookaheadConfig | None = None,
         request_id: str = "",
         grammar: CompiledGrammar | None = None,
+        checked: bool = False,
     ) -> list[Generation]:
         """The params.samples samples of one prompt (n, or best_of), sample i sampling with
         params.sample(i). The first reads the prompt; the others take its KV once it has, and
-        every sample drafts from the others' outputs (see Siblings)."""
+        every sample drafts from the others' outputs (see Siblings). checked: as for start."""
         config = lookahead or self.config
-        self.check_request(len(prompt_ids), params, config)
+        if not checked:
+            self.check_request(len(prompt_ids), params, config)
         siblings = Siblings()
         if config.drafting and (self.trie is None or not config.learn):
             capacity = (len(prompt_ids) + params.samples * params.max_tokens) * self.trie_depth + 1
             siblings.trie = NGramTrie(capacity=capacity, max_depth=self.trie_depth)
             siblings.trie.insert(list(prompt_ids))
         samples = [
-            self.start(prompt_ids, params.sample(i), config, f"{request_id}#{i}", grammar, siblings)
+            self.start(
+                prompt_ids, params.sample(i), config, f"{request_id}#{i}", grammar, siblings, checked=True
+            )
             for i in range(params.samples)
         ]
         siblings.leader = samples[0]
@@ -352,7 +361,7 @@ class LookaheadDecoder:
                 if failure is not None:
                     outputs[id(gen)] = failure
         admitted = [gen for gen in generations if id(gen) not in outputs and gen.fed is not None]
-        plan = schedule(admitted, self.step_token_budget, cost, self.max_speculative_batch)
+        plan = self.scheduler.plan(admitted, cost)
         times.draft = plan.draft_seconds
         for gen, error in plan.failed:
             outputs[id(gen)] = _failure(gen, error)
