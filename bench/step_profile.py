@@ -48,7 +48,11 @@ def scrape(url: str, model: str) -> dict[tuple[str, tuple[tuple[str, str], ...]]
     """The lookahead_step* and cost samples of `model` on a metrics page, summed over instances:
     (family, labels other than the instance's) -> value."""
     with urllib.request.urlopen(url, timeout=30) as response:
-        text = response.read().decode()
+        return parse_samples(response.read().decode(), model)
+
+
+def parse_samples(text: str, model: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """`scrape` on a metrics page's text."""
     samples: dict[tuple[str, tuple[tuple[str, str], ...]], float] = defaultdict(float)
     for line in text.splitlines():
         match = _SAMPLE.match(line)
@@ -107,14 +111,15 @@ def level_of(concurrency: int, before: dict, after: dict) -> Level:
 
 def cost_rows(samples: dict) -> list[tuple[int, str, str]]:
     """(width, predicted ms, measured ms) from the lookahead_step_cost_seconds gauges."""
-    found: dict[int, dict[str, float]] = defaultdict(dict)
+    found: dict[int, dict[str, float]] = {}
     for (family, labels), value in samples.items():
-        if family == "lookahead_step_cost_seconds":
+        if family == "lookahead_step_cost_seconds" and value > 0:  # a gauge never set reads 0
             named = dict(labels)
-            found[int(named["width"])][named["source"]] = value
+            found.setdefault(int(named["width"]), {})[named["source"]] = value
     return [
         (width, *(f"{1000 * sources[s]:.2f}" if s in sources else "-" for s in ("predicted", "measured")))
         for width, sources in sorted(found.items())
+        if sources
     ]
 
 
