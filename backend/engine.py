@@ -12,12 +12,10 @@ fleet's stream), so neither ever sees a half-applied step.
 
 from __future__ import annotations
 
-import enum
 import queue
 import threading
 import time
 import traceback
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
@@ -27,18 +25,21 @@ import torch
 from lookahead.runtime.decoder import LookaheadDecoder
 from lookahead.runtime.generation import Generation, GenerationStats, StepOutput
 from lookahead.runtime.logprobs import PositionLogprobs
+from lookahead.runtime.step_timing import StepTimes
 from lookahead.state.keeper import TrieKeeper
 from lookahead.structured import CompiledGrammar, GrammarLimitError
 
 from .config import BackendConfig
 from .request import GenerationRequest
+from .shaping import MAX_ERROR_CHARS, FailureCode, Update, merged_stats, sample_updates, updates_for
+
+__all__ = ["MAX_ERROR_CHARS", "Engine", "FailureCode", "RequestState", "Update", "merged_stats"]
 
 SHUTDOWN_MESSAGE = "the model is being unloaded; the request was not completed"
 QUEUE_FULL = "the queue is full ({count} requests wait, max_queued_requests); retry later"
 QUEUE_TIMEOUT = (
     "the request waited {waited:.1f} s in the queue, more than queue_timeout_s ({limit:g}); retry later"
 )
-MAX_ERROR_CHARS = 2000  # an error response's message is cut here: it never echoes a whole input
 ENGINE_FAILED = "the engine thread failed ({error}); the model must be reloaded (see the server log)"
 # Errors after which the device cannot be trusted for anyone: the engine stops (vLLM's health check).
 _WAKE = object()  # in the inbox: the engine thread looks at `unloading` at once, even while idle
@@ -53,15 +54,6 @@ class Log(Protocol):
     def log_warn(self, message: str) -> None: ...
 
     def log_error(self, message: str) -> None: ...
-
-
-class FailureCode(enum.Enum):
-    """Why a request ended without output; mapped to a Triton error code when sent."""
-
-    INVALID_ARG = "INVALID_ARG"
-    CANCELLED = "CANCELLED"
-    INTERNAL = "INTERNAL"
-    UNAVAILABLE = "UNAVAILABLE"
 
 
 @dataclass(eq=False)
@@ -120,47 +112,25 @@ class TokenArrival(NamedTuple):
 
 
 @dataclass(frozen=True)
-class Update:
-    """One response for the response thread to send: a text delta, or a failure."""
+class EngineStepTimes:
+    """One engine iteration that ran a step: the decoder's parts (`StepTimes`) and the engine
+    thread's own, in seconds; `wait` is the rest of the iteration's wall time (the GIL held by the
+    response and metrics threads, the inbox)."""
 
-    state: RequestState
-    final: bool
-    text: str = ""
-    num_output_tokens: int = 0
-    finish_reason: str | None = None
-    stats: GenerationStats | None = None  # on a final response that followed a generation
-    failure: FailureCode | None = None
-    message: str = ""
-    logprobs: list[PositionLogprobs] | None = None  # of this response's tokens, when computed
-    cumulative_logprob: float | None = None
-    prompt_logprobs: list[PositionLogprobs | None] | None = None  # on the first response
-    # Several samples: one update per returned sample (its text, tokens, logprobs, finish reason),
-    # in the order of the response's output elements.
-    samples: tuple[Update, ...] = ()
-
-    @classmethod
-    def failed(cls, state: RequestState, code: FailureCode, message: str) -> Update:
-        """A request's final error; its message at most MAX_ERROR_CHARS long."""
-        if len(message) > MAX_ERROR_CHARS:
-            message = f"{message[: MAX_ERROR_CHARS - 40]}... ({len(message)} characters in all)"
-        return cls(state, final=True, stats=state.stats, failure=code, message=message)
+    decoder: StepTimes
+    admit: float  # the inbox, queue limits, starting generations
+    respond: float  # turning the step's outputs into updates and queueing them
+    keeper: float  # the global trie between steps
+    wall: float
 
     @property
-    def pieces(self) -> tuple[Update, ...]:
-        """One update per output element: the samples', or this one."""
-        return self.samples or (self,)
+    def wait(self) -> float:
+        return max(0.0, self.wall - self.decoder.total - self.admit - self.respond - self.keeper)
 
-
-def merged_stats(every: list[GenerationStats]) -> GenerationStats:
-    """The stats of several samples of one prompt as one request's: tokens and drafts summed."""
-    if len(every) == 1:
-        return every[0]
-    total = GenerationStats(prompt_tokens=every[0].prompt_tokens)
-    for stats in every:
-        for name in ("output_tokens", "cached_prompt_tokens", "steps", "draft_tokens", "drafts"):
-            setattr(total, name, getattr(total, name) + getattr(stats, name))
-        total.accepted_draft_tokens += stats.accepted_draft_tokens
-    return total
+    def parts(self) -> dict[str, float]:
+        """Every part by name; they add up to `wall`."""
+        own = {"admit": self.admit, "respond": self.respond, "keeper": self.keeper, "wait": self.wait}
+        return {**self.decoder.parts(), **own}
 
 
 class Engine:
@@ -184,27 +154,29 @@ class Engine:
         max_queued_requests: int = BackendConfig.max_queued_requests,
         queue_timeout_s: float = BackendConfig.queue_timeout_s,
         on_step: Callable[[list[TokenArrival], float], None] | None = None,
+        on_step_timed: Callable[[EngineStepTimes], None] | None = None,
+        on_cost: Callable[[list[tuple[int, float | None, float | None]]], None] | None = None,
     ):
-        if max_running_requests < 1:
-            raise ValueError(f"max_running_requests must be >= 1, got {max_running_requests}")
         self.decoder = decoder
+        # Admission: which waiting requests start (the decoder's scheduler; this thread drives it).
+        self.scheduler = decoder.scheduler
+        self.scheduler.limit(max_running_requests, max_queued_requests, queue_timeout_s)
         decoder.debug_log = log.log_info  # the `debug` setting's per-step lines go to the server log
         self.emit = emit
         self.log = log
         self.keeper = keeper
         self.on_trie_size = on_trie_size
-        self.max_running_requests = max_running_requests
-        self.max_queued_requests = max_queued_requests
-        self.queue_timeout_s = queue_timeout_s
         self.unloading = False  # set once by unload(); read by the engine thread
         self.unload_message = SHUTDOWN_MESSAGE
         self.unloaded = threading.Event()  # set by the engine thread once unload() took effect
         self.on_stopped = on_stopped
         self.on_step = on_step  # told each step's tokens before their responses are emitted
+        self.on_step_timed = on_step_timed  # told where each step's wall time went
+        self.on_cost = on_cost  # told the planner's cost curve (CostModel.table) as requests finish
+        self._began = 0.0  # when the engine's current iteration began (after any idle wait)
+        self._responding = 0.0  # seconds the current step spent on its updates
         # Requests, _WAKE (look at `unloading` now) or None (stop).
         self.inbox: queue.SimpleQueue[RequestState | object | None] = queue.SimpleQueue()
-        self.waiting: deque[RequestState] = deque()  # validated, not yet admitted (engine thread)
-        self.active: list[RequestState] = []
         self.failure: str | None = None  # why the thread died, once it has
         self.lock = threading.Lock()  # orders submit() against the thread's death
         self.thread = threading.Thread(target=self._run, name="lookahead-engine", daemon=True)
@@ -246,6 +218,7 @@ class Engine:
     def _run(self) -> None:
         message = SHUTDOWN_MESSAGE
         try:
+            self._began = time.perf_counter()
             while self._admit():
                 if self.unloading:
                     self._fail_everything(FailureCode.UNAVAILABLE, self.unload_message)
@@ -253,9 +226,23 @@ class Engine:
                         self._save()
                         self.unloaded.set()
                     continue
-                self._advance()
+                admitted = time.perf_counter()
+                stepped = self._advance()
+                advanced = time.perf_counter()
                 if self.keeper is not None:
                     self.keeper.between_steps()
+                ended = time.perf_counter()
+                if stepped and self.on_step_timed is not None:
+                    self.on_step_timed(
+                        EngineStepTimes(
+                            self.decoder.last_step,
+                            admitted - self._began,
+                            self._responding,
+                            ended - advanced,
+                            ended - self._began,
+                        )
+                    )
+                self._began = ended
         except BaseException as error:
             message = ENGINE_FAILED.format(error=f"{type(error).__name__}: {error}")
             self.log.log_error(
@@ -293,17 +280,18 @@ class Engine:
                 stop = stop or item is None
             if stop:
                 self.inbox.put(None)
-        for state in [*self.active, *self.waiting, *queued]:
+        for state in [*self.scheduler.running, *self.scheduler.waiting, *queued]:
             self._finish(state, Update.failed(state, code, message))
-        self.waiting.clear()
 
     def _admit(self) -> bool:
         """Move new requests into the waiting line (waiting while idle), then start as many as fit.
         False once stop() was called."""
         while True:
-            idle = not self.active and not self.waiting
+            idle = not self.scheduler.running and not self.scheduler.waiting
             try:
                 state = self.inbox.get(block=idle, timeout=self._idle_timeout() if idle else None)
+                if idle:
+                    self._began = time.perf_counter()  # waiting for work is no step's time
             except queue.Empty:
                 if not idle:
                     break
@@ -314,59 +302,48 @@ class Engine:
                 return False
             if state is _WAKE:
                 break
-            self.waiting.append(state)
+            self.scheduler.add(state)
         self._start_waiting()
         return True
 
     def _start_waiting(self) -> None:
-        """Start waiting requests in arrival order while the running ones leave room for them; the
-        ones left waiting too long, or beyond max_queued_requests, end with UNAVAILABLE."""
-        for state in [s for s in self.waiting if s.cancelled]:
-            self.waiting.remove(state)
+        """Start the requests the scheduler admits; end those it drops from the queue (cancelled,
+        waited too long, beyond max_queued_requests)."""
+        admission = self.scheduler.schedule()
+        for state in admission.cancelled:
             self._cancel(state)
-        self._start_fitting()
-        if self.queue_timeout_s > 0:
-            now = time.monotonic()
-            for state in [s for s in self.waiting if now - s.arrival > self.queue_timeout_s]:
-                self.waiting.remove(state)
-                message = QUEUE_TIMEOUT.format(waited=now - state.arrival, limit=self.queue_timeout_s)
-                self._finish(state, Update.failed(state, FailureCode.UNAVAILABLE, message))
-        while self.max_queued_requests and len(self.waiting) > self.max_queued_requests:
-            state = self.waiting.pop()  # the newest: the others keep their place
-            message = QUEUE_FULL.format(count=len(self.waiting))
+        for state, waited in admission.timed_out:
+            message = QUEUE_TIMEOUT.format(waited=waited, limit=self.scheduler.queue_timeout_s)
             self._finish(state, Update.failed(state, FailureCode.UNAVAILABLE, message))
-
-    def _start_fitting(self) -> None:
-        """Start waiting requests in arrival order while the running ones leave room for them."""
-        while self.waiting and len(self.active) < self.max_running_requests:
-            state = self.waiting[0]
-            held = [longest for s in self.active for longest in s.longest]
-            if self.active and not self.decoder.fits([*held, *state.longest]):
-                return  # it waits, and so do the ones behind it
-            self.waiting.popleft()
+        for state, count in admission.overflow:
+            message = QUEUE_FULL.format(count=count)
+            self._finish(state, Update.failed(state, FailureCode.UNAVAILABLE, message))
+        for state in admission.started:
             request = state.request
             try:
                 if request.sampling.samples > 1:
                     self._start_samples(state)
                 else:
                     state.generation = self.decoder.start(
-                        request.prompt_ids, request.sampling, request.lookahead, state.id, state.grammar
+                        request.prompt_ids,
+                        request.sampling,
+                        request.lookahead,
+                        state.id,
+                        state.grammar,
+                        checked=True,
                     )
             except ValueError as error:  # a request this model can never serve
                 self._finish(state, Update.failed(state, FailureCode.INVALID_ARG, str(error)))
-                continue
             except FATAL_ERRORS:
                 raise
             except Exception as error:
                 self._fail(state, error)
-                continue
-            self.active.append(state)
 
     def _start_samples(self, state: RequestState) -> None:
         """A request for several samples: a state per sample, each with its generation."""
         request = state.request
         generations = self.decoder.start_samples(
-            request.prompt_ids, request.sampling, request.lookahead, state.id, state.grammar
+            request.prompt_ids, request.sampling, request.lookahead, state.id, state.grammar, checked=True
         )
         state.generation = generations[0]
         state.samples = [state] + [
@@ -380,14 +357,17 @@ class Engine:
         """While idle, wake up only for the keeper: a snapshot that is due, entries to insert."""
         return None if self.keeper is None else self.keeper.idle_timeout()
 
-    def _advance(self) -> None:
-        """One batched step of every running request; cancelled ones end first."""
-        for state in [s for s in self.active if s.cancelled]:
+    def _advance(self) -> bool:
+        """One batched step of every running request; cancelled ones end first. False when none
+        was left to step."""
+        for state in [s for s in self.scheduler.running if s.cancelled]:
             self._cancel(state)
         # One forward for everyone: new requests read their prompts in chunks beside the running
         # requests' steps, so a long prompt never stalls a stream for more than a step.
-        if self.active:
-            self._step(list(self.active))
+        if not self.scheduler.running:
+            return False
+        self._step(list(self.scheduler.running))
+        return True
 
     def _step(self, states: list[RequestState]) -> None:
         """One decoder.step() for these requests, then their updates. A request whose own work
@@ -412,6 +392,7 @@ class Engine:
                     self._fail(state, error)
         if self.keeper is not None:
             self.keeper.mark_changed()
+        responding = time.perf_counter()
         pairs = {id(s): list(zip(running[id(s)], results[id(s)])) for s in states}
         self._timestamp([pair for s in states for pair in pairs[id(s)]])
         for state in states:
@@ -420,14 +401,15 @@ class Engine:
                 self._fail(state, error)
                 continue
             if state.samples:
-                updates = self._sample_updates(state, pairs[id(state)])
+                updates = sample_updates(state, pairs[id(state)])
             else:
-                updates = self._updates_for(state, pairs[id(state)][0][1])
+                updates = updates_for(state, pairs[id(state)][0][1])
             for update in updates:
                 if update.final:
                     self._finish(state, update)
                 else:
                     self.emit(update)
+        self._responding = time.perf_counter() - responding
 
     def _timestamp(self, pairs: list[tuple[RequestState, StepOutput]]) -> None:
         """Note when each request's (or sample's) tokens came, and tell on_step before any response
@@ -457,109 +439,6 @@ class Engine:
         self.log.log_error(f"Error generating request {state.id}: {trace}")
         self._finish(state, Update.failed(state, FailureCode.INTERNAL, f"Error generating text: {error}"))
 
-    def _sample_updates(
-        self, state: RequestState, pairs: list[tuple[RequestState, StepOutput]]
-    ) -> list[Update]:
-        """The responses of a request for several samples after a step. Streaming: as many as the
-        most any sample made, the k-th holding each sample's k-th update (or an empty piece);
-        else one, once every sample finished, with each returned sample's whole output (best_of:
-        the n of highest cumulative logprob, best first, as vLLM's V0 engine returned them)."""
-        request = state.request
-        made = {id(member): self._updates_for(member, output) for member, output in pairs}
-        for member, _ in pairs:
-            if made[id(member)]:
-                member.last_update = made[id(member)][-1]
-        done = all(member.generation.finished for member in state.members)
-        if not request.stream:
-            if not done:
-                return []
-            returned = state.members
-            if request.sampling.samples > request.sampling.n:
-                returned = sorted(returned, key=lambda m: m.generation.cumulative_logprob, reverse=True)
-            pieces = tuple(member.last_update for member in returned[: request.sampling.n])
-            return [Update(state, final=True, stats=state.stats, samples=pieces)]
-        count = max(len(updates) for updates in made.values())
-        updates = []
-        for index in range(count):
-            pieces = tuple(_piece(member, made.get(id(member), []), index) for member in state.members)
-            final = done and index == count - 1
-            updates.append(Update(state, final=final, stats=state.stats if final else None, samples=pieces))
-        return updates
-
-    def _updates_for(self, state: RequestState, output: StepOutput) -> list[Update]:
-        """The responses this step produces: one per token where the request streams each token,
-        else at most one."""
-        if state.request.stream and state.request.stream_each_token and output.token_ids:
-            return self._token_updates(state, output)
-        update = self._update_for(state, output)
-        return [] if update is None else [update]
-
-    def _token_updates(self, state: RequestState, output: StepOutput) -> list[Update]:
-        """One response per token of a step, sent together at its end: each with the text that token
-        added (possibly none: part of a character), its logprobs and the cumulative logprob up to it;
-        finish_reason and the request's stats on the last."""
-        generation, request = state.generation, state.request
-        shown = not request.logprobs_hidden and generation.cumulative_logprob is not None
-        own = [position[token].logprob for position, token in zip(output.logprobs or (), output.token_ids)]
-        updates = []
-        for index, text in enumerate(output.token_texts):
-            last = index == len(output.token_ids) - 1
-            cumulative = generation.cumulative_logprob
-            if cumulative is not None and not last:
-                cumulative -= sum(own[index + 1 :])
-            prompt_logprobs = None
-            if not state.prompt_logprobs_sent:
-                prompt_logprobs, state.prompt_logprobs_sent = generation.prompt_logprobs, True
-            final = last and output.finish_reason is not None
-            updates.append(
-                Update(
-                    state,
-                    final=final,
-                    text=text,
-                    num_output_tokens=1,
-                    finish_reason=output.finish_reason if last else None,
-                    stats=generation.stats if final else None,
-                    logprobs=output.logprobs[index : index + 1] if shown and output.logprobs else None,
-                    cumulative_logprob=cumulative,
-                    prompt_logprobs=prompt_logprobs,
-                )
-            )
-        return updates
-
-    def _update_for(self, state: RequestState, output: StepOutput) -> Update | None:
-        """The response this step produces, if any: streaming sends only steps that made text."""
-        request = state.request
-        state.unreported_tokens += len(output.token_ids)
-        if output.logprobs is not None:
-            state.unreported_logprobs.extend(output.logprobs)
-        final = output.finish_reason is not None
-        if request.stream:
-            if not (output.text or final):
-                return None
-            text = output.text
-        else:
-            state.text_parts.append(output.text)
-            if not final:
-                return None
-            text = (request.prompt if request.prepend_input else "") + "".join(state.text_parts)
-        tokens, state.unreported_tokens = state.unreported_tokens, 0
-        logprobs, state.unreported_logprobs = state.unreported_logprobs, []
-        generation = state.generation
-        prompt_logprobs = None
-        if not state.prompt_logprobs_sent:
-            prompt_logprobs, state.prompt_logprobs_sent = generation.prompt_logprobs, True
-        return Update(
-            state,
-            final=final,
-            text=text,
-            num_output_tokens=tokens,
-            finish_reason=output.finish_reason,
-            stats=generation.stats if final else None,
-            logprobs=None if request.logprobs_hidden or generation.cumulative_logprob is None else logprobs,
-            cumulative_logprob=generation.cumulative_logprob,
-            prompt_logprobs=prompt_logprobs,
-        )
-
     def _finish(self, state: RequestState, update: Update) -> None:
         """Send the request's one final response, free its generations and publish what the global
         trie learned from them."""
@@ -569,9 +448,10 @@ class Engine:
                 if self.keeper is not None:
                     self.keeper.learned_from(member.generation)
         state.finish_time = time.monotonic()
-        if state in self.active:
-            self.active.remove(state)
+        self.scheduler.finish(state)
         self.emit(update)
+        if self.on_cost is not None:
+            self.on_cost(self.decoder.cost.table())
         trie = self.decoder.trie
         if trie is not None and self.on_trie_size is not None:
             self.on_trie_size(trie.node_count, trie.byte_estimate)
@@ -580,19 +460,3 @@ class Engine:
 def _running(state: RequestState) -> list[RequestState]:
     """The request's samples still generating (itself, unless it has several)."""
     return [m for m in state.members if m.generation is not None and not m.generation.finished]
-
-
-def _piece(member: RequestState, updates: list[Update], index: int) -> Update:
-    """A sample's part of a response: its index-th update of the step, else nothing new (no text,
-    no tokens; its finish reason once it finished: every sample is in every response, as in vLLM)."""
-    if index < len(updates):
-        return updates[index]
-    generation = member.generation
-    shown = not member.request.logprobs_hidden and generation.cumulative_logprob is not None
-    return Update(
-        member,
-        final=False,
-        finish_reason=generation.finish_reason,
-        logprobs=[] if shown else None,
-        cumulative_logprob=generation.cumulative_logprob,
-    )

@@ -18,7 +18,9 @@ from typing import Any, Literal
 
 import triton_python_backend_utils as pb_utils
 
-from .engine import Log, Update
+from lookahead.runtime.step_timing import DECODER_PARTS
+
+from .engine import EngineStepTimes, Log, Update
 
 # Upper bounds in seconds; a CPU instance answers slower than vLLM's GPU-sized buckets assume.
 TTFT_BUCKETS = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0]
@@ -99,6 +101,27 @@ FAMILIES: dict[str, tuple[str, str, str, list[float] | None]] = {
     ),
 }
 
+# Where steps' wall time goes: one series per part (label `part`) of one family, the engine
+# thread's parts after the decoder's (backend/engine.py, EngineStepTimes); they add up to the
+# steps' wall time. `send` is the response thread's, beside the steps (bench/step_profile.py).
+STEP_PARTS = (*DECODER_PARTS, "admit", "respond", "keeper", "wait")
+STEP_FAMILIES: dict[str, tuple[str, str]] = {
+    "seconds": ("lookahead_step_seconds_total", "Seconds engine steps spent, by part."),
+    "steps": ("lookahead_steps_total", "Engine steps that ran a forward."),
+    "requests": ("lookahead_step_requests_total", "Requests fed, summed over steps."),
+    "tokens": ("lookahead_step_tokens_total", "Tokens fed, summed over steps."),
+    "send": (
+        "lookahead_response_send_seconds_total",
+        "Seconds the response thread spent building and sending responses through Triton.",
+    ),
+}
+# The planner's cost curve: seconds of a step feeding `width` tokens, as measured at load
+# (source="predicted") and as the latest steps took (source="measured").
+COST_FAMILY = (
+    "lookahead_step_cost_seconds",
+    "Seconds of a step by tokens fed: the load-time measurement and the latest steps'.",
+)
+COST_WIDTHS = (1, 2, 4, 8, 16, 32, 64, 128)
 
 # How long the response thread waits for a request's metrics before sending its final response anyway.
 FLUSH_TIMEOUT_S = 2.0
@@ -251,6 +274,26 @@ class LookaheadMetrics:
             self.families[key] = family
             extra = {"buckets": buckets} if buckets else {}
             self.metrics[key] = family.Metric(labels=dict(labels), **extra)
+        self.step_metrics: dict[str, Any] = {}
+        for key, (name, description) in STEP_FAMILIES.items():
+            family = pb_utils.MetricFamily(
+                name=name, description=description, kind=pb_utils.MetricFamily.COUNTER
+            )
+            self.families[key] = family
+            if key == "seconds":
+                for part in STEP_PARTS:
+                    self.step_metrics[part] = family.Metric(labels={**labels, "part": part})
+            else:
+                self.step_metrics[key] = family.Metric(labels=dict(labels))
+        cost = pb_utils.MetricFamily(
+            name=COST_FAMILY[0], description=COST_FAMILY[1], kind=pb_utils.MetricFamily.GAUGE
+        )
+        self.families["cost"] = cost
+        self.cost_metrics = {
+            (width, source): cost.Metric(labels={**labels, "width": str(width), "source": source})
+            for width in COST_WIDTHS
+            for source in ("predicted", "measured")
+        }
 
     @classmethod
     def create(cls, labels: Mapping[str, str], writer: MetricWriter, log: Log) -> LookaheadMetrics | None:
@@ -291,7 +334,34 @@ class LookaheadMetrics:
         """The launcher's restarts of this model so far (backend/drain.py): set once, at the start."""
         self.writer.put([(self.metrics["restarts"], "increment", count)])
 
+    def step_timed(self, times: EngineStepTimes) -> None:
+        """Count where a step's time went (engine thread; never blocks)."""
+        metrics = self.step_metrics
+        ops: list[Op] = [(metrics[part], "increment", seconds) for part, seconds in times.parts().items()]
+        ops += [
+            (metrics["steps"], "increment", 1),
+            (metrics["requests"], "increment", times.decoder.requests),
+            (metrics["tokens"], "increment", times.decoder.tokens),
+        ]
+        self.writer.put(ops)
+
+    def response_sent(self, seconds: float) -> None:
+        """Count the response thread's time on one response (never blocks)."""
+        self.writer.put([(self.step_metrics["send"], "increment", seconds)])
+
+    def step_cost(self, rows: list[tuple[int, float | None, float | None]]) -> None:
+        """The cost curve's (width, predicted, measured) rows, as gauges (never blocks)."""
+        ops: list[Op] = []
+        for width, predicted, measured in rows:
+            for source, value in (("predicted", predicted), ("measured", measured)):
+                metric = self.cost_metrics.get((width, source))
+                if metric is not None and value is not None:
+                    ops.append((metric, "set", value))
+        self.writer.put(ops)
+
     def close(self) -> None:
         """Drop the metrics before their families (after the writer applied what was queued)."""
+        self.step_metrics.clear()
+        self.cost_metrics.clear()
         self.metrics.clear()
         self.families.clear()

@@ -194,7 +194,11 @@ class TritonPythonModel:
             self.metrics.restarts(restart_count(args["model_name"]))
         self.model_version = args["model_version"]
         self.responses = ResponseLoop(
-            self.logger, on_final=self._on_final, served=self._served, on_unload=self._on_unload
+            self.logger,
+            on_final=self._on_final,
+            served=self._served,
+            on_unload=self._on_unload,
+            on_sent=self.metrics.response_sent if self.metrics else None,
         )
         self.engine = Engine(
             decoder,
@@ -207,6 +211,8 @@ class TritonPythonModel:
             max_queued_requests=config.max_queued_requests,
             queue_timeout_s=config.queue_timeout_s,
             on_step=self.vllm_metrics.step if self.vllm_metrics else None,
+            on_step_timed=self.metrics.step_timed if self.metrics else None,
+            on_cost=self.metrics.step_cost if self.metrics else None,
         )
         self.grammars = decoder.grammars
         self.grammar_stage = GrammarStage(
@@ -372,6 +378,8 @@ class TritonPythonModel:
             loaded, keeper.trie if keeper else None, config.lookahead, config.decoder
         )
         decoder.kv_bytes_per_token  # measured here, so that request checks never run the model
+        if config.lookahead.drafting:
+            decoder.measure_cost()  # the planner starts from this model's own cost curve
         if keeper is not None:
             keeper.stop_words = decoder.stop_word_ids(config.lookahead.stop_words)
         return loaded, keeper, decoder

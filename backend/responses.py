@@ -95,9 +95,11 @@ class ResponseLoop:
         on_final: Callable[[Update], None],
         served: Callable[[], bool] = lambda: True,
         on_unload: Callable[[], None] = lambda: None,
+        on_sent: Callable[[float], None] | None = None,
     ):
         self.log = log
         self.on_final = on_final
+        self.on_sent = on_sent  # told the seconds each response took to build and send
         self.served, self.on_unload = served, on_unload
         self.unloading = False
         self.last_served_check = time.monotonic()
@@ -150,7 +152,10 @@ class ResponseLoop:
         if isinstance(item, RequestState):
             self.in_flight.add(item)
         elif isinstance(item, Update):
+            started = time.perf_counter()
             self._send(item)
+            if self.on_sent is not None:
+                self.on_sent(time.perf_counter() - started)
         else:
             try:
                 item()

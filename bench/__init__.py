@@ -2,8 +2,8 @@
 
 In one process, on the library: `decoding`, `forward_cost`, `roofline`, `perplexity`, `retrieval_cost`,
 `grammar_cost`, `oracle_bound`, `agreement`, `acceptance`, `device_check`. Through real servers (tritonserver,
-the OpenAI endpoint, llama-server, Redis): `load_test`, `speedup`, `multi_turn`, `genai_perf`,
-`stall_test`, `structured`, `peer_llama_cpp`, `busy_neighbour`, `fleet`, with `ab_repository` to serve two
+the OpenAI endpoint, llama-server, Redis): `load_test`, `step_profile`, `speedup`, `multi_turn`,
+`genai_perf`, `stall_test`, `structured`, `peer_llama_cpp`, `busy_neighbour`, `fleet`, with `ab_repository` to serve two
 revisions side by side. Prompt sets (prompt_sets.py, json_extraction.py) come from data files
 that pip packages ship; stdlib_sets.py builds its own from the interpreter's standard library.
 """
@@ -21,6 +21,7 @@ BENCHMARKS = {
     "acceptance": "draft-node acceptance estimates on recorded steps: class calibration vs the predictor",
     "device_check": "the forward-cost curve and a decoder benchmark on a random 7B-shaped model",
     "load_test": "perf_analyzer against the served lookahead and baseline models",
+    "step_profile": "each server step's wall time by part (forward, drafting, responses...) per concurrency",
     "speedup": "lookahead against the baseline through the server per prompt set, outputs compared",
     "multi_turn": "four-turn coding conversations through the server, each turn resending the last",
     "genai_perf": "genai-perf through the OpenAI endpoint: TTFT, inter-token latency, tokens/s",

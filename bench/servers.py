@@ -11,7 +11,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from bench.ab_repository import SHARED_CACHE_ENV
-from launcher import free_port, start_server
+from launcher import TritonServer, free_port, start_server
 from lookahead.contract import STATE_DIR_ENV
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -106,6 +106,13 @@ def launcher_as_shipped(out: Path, model: str | None = None) -> Iterator[str]:
 def tritonserver_for_run(repository: Path, out: Path, warm_trie: bool = False) -> Iterator[str]:
     """A tritonserver on free ports serving `repository`, its log and its trie snapshots in `out`
     (emptied first unless warm_trie); yields its gRPC URL and stops it afterwards."""
+    with started_server(repository, out, warm_trie) as server:
+        yield server.grpc_url
+
+
+@contextmanager
+def started_server(repository: Path, out: Path, warm_trie: bool = False) -> Iterator[TritonServer]:
+    """tritonserver_for_run's server itself (its metrics URL too)."""
     print(f"starting tritonserver on {repository} (log {out / 'server.log'})", flush=True)
     state = out / "trie_state"
     if not warm_trie:
@@ -122,7 +129,7 @@ def tritonserver_for_run(repository: Path, out: Path, warm_trie: bool = False) -
         },
         ready_timeout_s=SERVER_READY_TIMEOUT_S,
     ) as server:
-        yield server.grpc_url
+        yield server
 
 
 @contextmanager

@@ -50,6 +50,11 @@ def _points(q: float) -> tuple[int, int, float]:
     return lower, 2 * lower, (q - lower) / lower
 
 
+def _powers_below(top: int) -> list[int]:
+    """1, 2, 4, ... up to top."""
+    return [1 << i for i in range(top.bit_length()) if 1 << i <= top]
+
+
 def _interpolate(table: dict[int, float], q: float) -> float:
     lower, upper, weight = _points(q)
     top = max(table)
@@ -69,6 +74,8 @@ class CostModel:
     """
 
     prior: dict[int, float]
+    # Seconds per width measured before serving (`measured`); empty when starting from a prior.
+    predicted: dict[int, float] = field(default_factory=dict)
     seconds: dict[int, float] = field(init=False, default_factory=dict)
     _recent: dict[int, deque[float]] = field(init=False, default_factory=dict)
     _relative: dict[int, float] = field(init=False)  # cost(point) / cost(1) for every prior point
@@ -91,6 +98,28 @@ class CostModel:
         return self._tokens / self._costs if self._costs > 0 else None
 
     @classmethod
+    def measured(cls, seconds: dict[int, float]) -> CostModel:
+        """Start from the running path's own timings: seconds of a forward of q = 1, 2, 4, ...
+        tokens (every power of two up to the widest measured). Steps then refine the curve, and
+        `table` compares them with these."""
+        if 1 not in seconds or any(q not in seconds for q in _powers_below(max(seconds))):
+            raise ValueError(f"timings for 1, 2, 4, ... tokens needed, got widths {sorted(seconds)}")
+        base = seconds[1]
+        relative = {q: max(s / base, 1.0) for q, s in sorted(seconds.items())}
+        return cls(relative, dict(seconds))
+
+    def table(self) -> list[tuple[int, float | None, float | None]]:
+        """(width, predicted seconds, measured seconds) per power of two: the prediction made
+        before serving (None without one) and the median of the latest steps credited to that
+        width (None before any)."""
+        base = self.predicted.get(1)
+        widths = sorted(set(self.prior) | set(self.seconds))
+        return [
+            (q, None if base is None else base * _interpolate(self.prior, q), self.seconds.get(q))
+            for q in widths
+        ]
+
+    @classmethod
     def for_device(cls, device_type: str, prior: dict[int, float] | None = None) -> CostModel:
         """Start from `prior` (the execution path's curve), else from the device's (cost_priors.py)."""
         if prior is not None:
@@ -104,9 +133,12 @@ class CostModel:
         recent = self._recent.setdefault(point, deque(maxlen=COST_WINDOW))
         recent.append(seconds)
         self.seconds[point] = statistics.median(recent)
-        if 1 in self.seconds:  # measured points where both were seen, else the prior's
+        # Relative to a one-token step seen live, else to the one measured before serving; points
+        # not seen keep the starting curve's.
+        base = self.seconds.get(1, self.predicted.get(1))
+        if base:
             for measured, typical in self.seconds.items():
-                self._relative[measured] = max(typical / self.seconds[1], 1.0)
+                self._relative[measured] = max(typical / base, 1.0)
 
     def relative(self, q: int) -> float:
         """cost(q) / cost(1)."""

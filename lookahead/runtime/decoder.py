@@ -32,11 +32,11 @@ from ..config import DecoderConfig, LookaheadConfig, SamplingParams, TrieConfig
 from ..structured import CompiledGrammar, GrammarCompiler, GrammarMatcher
 from .core_budget import CoreBudget
 from .generation import Generation, GenerationStats, Shared, Siblings, StepOutput
-from .kv_pool import accepted_moves
 from .recycling import recycle
 from .runner import ModelRunner, Work
-from .scheduler import schedule
+from .scheduler import Scheduler
 from .step_inputs import Segment
+from .step_timing import StepTimes
 from .stop_words import stop_word_ids
 
 __all__ = ["Generation", "GenerationStats", "LookaheadDecoder", "StepOutput"]
@@ -51,6 +51,7 @@ class Servable(Protocol):
     tokenizer: Any
     eos_token_ids: tuple[int, ...]
     cost_prior: Mapping[int, float] | None
+    linear_kernel: str
 
 
 class LookaheadDecoder:
@@ -59,7 +60,9 @@ class LookaheadDecoder:
     step_token_budget, max_speculative_batch, prefix_cache_tokens, kv_cache_bytes,
     grammar_compile_timeout_s, grammar_max_bytes, grammar_max_choices: see `DecoderConfig`.
     cost_prior: the forward's relative cost by tokens fed on this execution path, which the cost
-    model starts from (`LoadedModel.cost_prior`); None: the device's default curve.
+    model starts from (`LoadedModel.cost_prior`) until `measure_cost` times the model itself;
+    None: the device's default curve. kernel: the linear kernel's name (`LoadedModel.linear_kernel`),
+    part of the key of each measured curve.
     """
 
     def __init__(
@@ -79,6 +82,7 @@ class LookaheadDecoder:
         grammar_max_choices: int = DecoderConfig.grammar_max_choices,
         adaptive_threads: bool = DecoderConfig.adaptive_threads,
         cost_prior: Mapping[int, float] | None = None,
+        kernel: str = "stock",
     ):
         DecoderConfig(
             step_token_budget,
@@ -100,8 +104,10 @@ class LookaheadDecoder:
         self.trie = trie
         self.config = config
         self.eos_token_ids = tuple(eos_token_ids)
-        self.step_token_budget = step_token_budget
-        self.max_speculative_batch = max_speculative_batch
+        # Admission and each step's plan (the backend's engine drives its request side).
+        self.scheduler: Scheduler[Any] = Scheduler(
+            self.runner.fits, step_token_budget=step_token_budget, max_speculative_batch=max_speculative_batch
+        )
         # A request's own trie is as deep as the shared one; copies (spans.py) may draft deeper.
         self.trie_depth = trie.max_depth if trie is not None else TrieConfig.depth
         self.device = self.runner.device
@@ -116,7 +122,13 @@ class LookaheadDecoder:
             max_bytes=grammar_max_bytes,
             max_choices=grammar_max_choices,
         )
-        self.cost = CostModel.for_device(self.device.type, dict(cost_prior) if cost_prior else None)
+        # The step's cost curve per (linear kernel, threads): from the path's prior, or, once
+        # measure_cost() ran, measured on this model; measured again when the threads change.
+        self.kernel = kernel
+        self.prior = dict(cost_prior) if cost_prior else None
+        self.costs: dict[tuple[str, int], CostModel] = {}
+        self.measure_budget_s = 0.0  # measure_cost() sets it
+        self.cost_key = (kernel, torch.get_num_threads())
         # How likely the model is to accept each draft node, learned from every verdict.
         self.acceptance = AcceptancePredictor()
         # The model's own next-token candidates per token, from every verified row (drafters
@@ -129,7 +141,41 @@ class LookaheadDecoder:
         # verdict), before the request commits it: benchmarks record steps through it.
         self.recorder: Callable[[Generation, Draft, Verdict], None] | None = None
         self._stop_words: dict[tuple[int | str, ...], frozenset[int]] = {}
+        self.last_step = StepTimes()  # where the latest step's time went
         self.stop_word_ids(config.stop_words)  # a bad instance setting fails here, not in a request
+
+    @property
+    def cost(self) -> CostModel:
+        """The cost model of the kernel and thread count steps run on now."""
+        model = self.costs.get(self.cost_key)
+        if model is None:
+            model = self.costs[self.cost_key] = self._new_cost_model()
+        return model
+
+    def measure_cost(self, budget_s: float = 1.0) -> CostModel:
+        """Time this model's forward at a few widths (about budget_s seconds, see
+        ModelRunner.time_widths) and start the current curve from them; every later change of
+        the thread count measures its own curve the same way. Before serving, between steps."""
+        self.measure_budget_s = budget_s
+        self.costs[self.cost_key] = self._new_cost_model()
+        return self.costs[self.cost_key]
+
+    def on_threads_changed(self, threads: int) -> None:
+        """Steps now run on `threads` threads: plan them on that count's curve (measured now, the
+        first time, where measure_cost ran). step() notices a change of torch's count itself."""
+        self.cost_key = (self.kernel, threads)
+
+    def _new_cost_model(self) -> CostModel:
+        if self.measure_budget_s > 0:
+            seconds = self.runner.time_widths(self.measure_budget_s)
+            if seconds:
+                model = CostModel.measured(seconds)
+                self.debug_log(
+                    f"lookahead cost curve of the {self.kernel} kernel on {self.cost_key[1]} threads: "
+                    + ", ".join(f"{q} tokens {1000 * t:.2f} ms" for q, t in seconds.items())
+                )
+                return model
+        return CostModel.for_device(self.device.type, self.prior)
 
     def stop_word_ids(self, words: tuple[int | str, ...]) -> frozenset[int]:
         """The token ids of LookaheadConfig.stop_words (see stop_words.py); ValueError for a bad entry."""
@@ -163,6 +209,7 @@ class LookaheadDecoder:
             grammar_max_choices=settings.grammar_max_choices,
             adaptive_threads=settings.adaptive_threads,
             cost_prior=loaded.cost_prior,
+            kernel=loaded.linear_kernel,
         )
 
     def start(
@@ -173,15 +220,18 @@ class LookaheadDecoder:
         request_id: str = "",
         grammar: CompiledGrammar | None = None,
         siblings: Siblings | None = None,
+        checked: bool = False,
     ) -> Generation:
         """One request's generation (one sample: start_samples starts several). grammar:
         params.structured_outputs compiled (`self.grammars.compile`); the backend compiles it before
         the request reaches the engine thread and passes it here. Without it the constraint is
-        compiled on the caller's thread."""
+        compiled on the caller's thread. checked: `check_request` passed already (the backend runs
+        it as it parses the request), so a request is validated once."""
         if params.samples > 1:
             raise ValueError(f"{params.samples} samples are several generations: use start_samples")
         config = lookahead or self.config
-        self.check_request(len(prompt_ids), params, config)
+        if not checked:
+            self.check_request(len(prompt_ids), params, config)
         shared = Shared(
             tokenizer=self.tokenizer,
             eos_token_ids=self.eos_token_ids,
@@ -208,19 +258,23 @@ class LookaheadDecoder:
         lookahead: LookaheadConfig | None = None,
         request_id: str = "",
         grammar: CompiledGrammar | None = None,
+        checked: bool = False,
     ) -> list[Generation]:
         """The params.samples samples of one prompt (n, or best_of), sample i sampling with
         params.sample(i). The first reads the prompt; the others take its KV once it has, and
-        every sample drafts from the others' outputs (see Siblings)."""
+        every sample drafts from the others' outputs (see Siblings). checked: as for start."""
         config = lookahead or self.config
-        self.check_request(len(prompt_ids), params, config)
+        if not checked:
+            self.check_request(len(prompt_ids), params, config)
         siblings = Siblings()
         if config.drafting and (self.trie is None or not config.learn):
             capacity = (len(prompt_ids) + params.samples * params.max_tokens) * self.trie_depth + 1
             siblings.trie = NGramTrie(capacity=capacity, max_depth=self.trie_depth)
             siblings.trie.insert(list(prompt_ids))
         samples = [
-            self.start(prompt_ids, params.sample(i), config, f"{request_id}#{i}", grammar, siblings)
+            self.start(
+                prompt_ids, params.sample(i), config, f"{request_id}#{i}", grammar, siblings, checked=True
+            )
             for i in range(params.samples)
         ]
         siblings.leader = samples[0]
@@ -299,6 +353,12 @@ class LookaheadDecoder:
         """
         if any(gen.finished for gen in generations):
             raise RuntimeError("step() called on a finished or closed generation")
+        threads = torch.get_num_threads()
+        if threads != self.cost_key[1]:
+            self.on_threads_changed(threads)
+        cost = self.cost  # measured here, before this step's timing, where the key is new
+        started = time.perf_counter()
+        times = self.last_step = StepTimes()
         self.runner.pack()  # before any slot is looked up: packing moves requests between slots
         outputs: dict[int, StepOutput] = {}
         for gen in generations:
@@ -307,17 +367,21 @@ class LookaheadDecoder:
                 if failure is not None:
                     outputs[id(gen)] = failure
         admitted = [gen for gen in generations if id(gen) not in outputs and gen.fed is not None]
-        plan = schedule(admitted, self.step_token_budget, self.cost, self.max_speculative_batch)
+        plan = self.scheduler.plan(admitted, cost)
+        times.draft = plan.draft_seconds
         for gen, error in plan.failed:
             outputs[id(gen)] = _failure(gen, error)
         works = []
         for item in plan.scheduled:
-            slot = self.runner.pool.slot_of(item.request)
+            slot = self.runner.slot_of(item.request)
             works.append(Work(item.request, Segment(slot, item.start, item.chunk, item.draft), item.scoring))
         if works:
-            outputs.update(self._run(works))
+            outputs.update(self._run(works, times, cost))
         self.runner.release_idle()
-        return [outputs.get(id(gen)) or StepOutput([], "") for gen in generations]
+        result = [outputs.get(id(gen)) or StepOutput([], "") for gen in generations]
+        elapsed = time.perf_counter() - started
+        times.schedule = max(0.0, elapsed - times.draft - times.forward - times.verify - times.commit)
+        return result
 
     def _admit(self, gen: Generation) -> None:
         """Give a new generation a pool slot holding whatever prefix of its prompt the prefix cache
@@ -334,10 +398,13 @@ class LookaheadDecoder:
         gen.stats.cached_prompt_tokens = cached
         gen.started = time.perf_counter()
 
-    def _run(self, works: list[Work]) -> dict[int, StepOutput]:
+    def _run(self, works: list[Work], times: StepTimes, cost: CostModel) -> dict[int, StepOutput]:
         """The step's one forward, then each request's verdict and commit."""
         started = time.perf_counter()
         rows = self.runner.forward_segments(works)
+        times.forward = time.perf_counter() - started
+        times.requests = len(works)
+        times.tokens = sum(work.segment.width for work in works)
         failed: dict[int, StepOutput] = {}
         verdicts = {}
         for work, logits in zip(works, rows):
@@ -352,23 +419,21 @@ class LookaheadDecoder:
                 continue
             if gen.recycled is not None:
                 recycle(gen.recycled, segment.draft, logits, verdicts[id(gen)].accepted_nodes)
-        self.runner.pool.compact(
+        self.runner.keep_accepted(
             [
-                move
+                (work.segment.slot, work.gen.fed, verdicts[id(work.gen)].accepted_nodes)
                 for work in works
                 if id(work.gen) in verdicts
-                for move in accepted_moves(
-                    work.segment.slot, work.gen.fed, verdicts[id(work.gen)].accepted_nodes
-                )
             ]
         )
         elapsed = time.perf_counter() - started
         width = sum(work.segment.width for work in works)
-        self.cost.observe(width, elapsed)
+        cost.observe(width, elapsed)
         # the yield is a statistic of acceptance: a step with a request that does not learn adds none
         if all(not work.segment.prompt and work.gen.config.learn for work in works):
-            self.cost.observe_yield(sum(len(verdict.tokens) for verdict in verdicts.values()), width)
+            cost.observe_yield(sum(len(verdict.tokens) for verdict in verdicts.values()), width)
         outputs = dict(failed)
+        committing = 0.0
         for work, logits in zip(works, rows):
             gen, segment = work.gen, work.segment
             verdict = verdicts.get(id(gen))
@@ -383,9 +448,13 @@ class LookaheadDecoder:
                 self.recorder(gen, segment.draft, verdict)
             gen.record_verdict(segment.draft, verdict)
             chosen = logits[verdict.rows] if gen.cumulative_logprob is not None else None
+            committed = time.perf_counter()
             outputs[id(gen)] = _isolated(
                 gen, lambda gen=gen, verdict=verdict, chosen=chosen: gen.commit(verdict.tokens, chosen)
             )
+            committing += time.perf_counter() - committed
+        times.commit = committing
+        times.verify = time.perf_counter() - started - times.forward - committing
         return outputs
 
     def _prompt_read(self, gen: Generation, segment: Segment) -> None:
@@ -402,8 +471,8 @@ class LookaheadDecoder:
         output there for the prefix cache: a conversation's next turn sends them back as its prompt."""
         if gen.finish_reason in ("stop", "length") and gen.config.learn and not gen.scoring_prompt:
             # every committed token but the last has its KV entry (the last one was never fed)
-            self.runner.keep_prompt(gen.ids[:-1], self.runner.pool.slot_of(gen))
-        self.runner.pool.release(gen)
+            self.runner.keep_prompt(gen.ids[:-1], self.runner.slot_of(gen))
+        self.runner.release(gen)
 
 
 def _isolated(gen: Generation, work: Callable[[], StepOutput | None]) -> StepOutput | None:

@@ -9,6 +9,7 @@ is admitted, holding whatever prefix of its prompt the prefix cache has.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -19,13 +20,23 @@ from transformers import DynamicCache
 from ..algorithm.draft import Draft
 from .core_budget import CoreBudget
 from .generation import Generation
-from .kv_pool import INITIAL_LENGTH, KVLayout, KVPool, PoolStep, footprint, pow2
+from .kv_pool import INITIAL_LENGTH, KVLayout, KVPool, PoolStep, accepted_moves, footprint, pow2
 from .output_layer import plain_output_layer
 from .prefix_cache import PrefixCache
 from .step_inputs import AttentionMasks, Segment, decode_inputs, ragged_inputs, to_device
 
 # Prompt positions whose logits exist at once when prompt logprobs are scored (rows x vocab floats).
 SCORED_ROWS = 256
+# `time_widths`: the cached entries each timed forward reads, and the widest forward timed.
+PROBE_CONTEXT = 128
+PROBE_WIDEST = 128
+
+
+class _Probe:
+    """The owner of the pool slot `time_widths` feeds (the pool reads only its `ids`)."""
+
+    def __init__(self, length: int):
+        self.ids = [0] * length
 
 
 @dataclass
@@ -128,6 +139,21 @@ class ModelRunner:
         self.pool.admit(gen, keys, values, used=self.held_entries())
         return leader.root
 
+    def slot_of(self, gen: Generation) -> int:
+        """The pool slot an admitted generation holds (until the next `pack`)."""
+        return self.pool.slot_of(gen)
+
+    def keep_accepted(self, verified: Sequence[tuple[int, int, Sequence[int]]]) -> None:
+        """Move each verified segment's accepted entries right behind its prefix: (slot, entries
+        before the draft's root, accepted draft nodes) per segment."""
+        self.pool.compact(
+            [move for slot, root, nodes in verified for move in accepted_moves(slot, root, nodes)]
+        )
+
+    def release(self, gen: Generation) -> None:
+        """Give a generation's slot back."""
+        self.pool.release(gen)
+
     def keep_prompt(self, prompt: list[int], slot: int) -> None:
         """Keep a read prompt's KV (the first len(prompt) entries of its slot) for later prompts
         sharing a prefix, where the prefix cache has room and does not hold it yet."""
@@ -214,6 +240,47 @@ class ModelRunner:
             logits = self.head_of_hidden(self.inner(**inputs).last_hidden_state[:, 0])
         by_gen = {id(work.gen): logits[i : i + 1] for i, work in enumerate(ordered)}
         return [by_gen[id(work.gen)] for work in works]
+
+    @torch.inference_mode()
+    def time_widths(self, budget_s: float) -> dict[int, float]:
+        """Seconds of this model's verification forward feeding q = 1, 2, 4, ... draft rows after
+        PROBE_CONTEXT cached entries, the way a step feeds them (one ragged segment, the output
+        layer on every row): widths 1 and 2 always, wider ones while the next is expected to fit
+        in what is left of budget_s, each timed again where there is room (the faster kept). {} when
+        the pool has no room for the probe."""
+        probe = _Probe(PROBE_CONTEXT + PROBE_WIDEST)
+        if self.pool.layout is None:
+            self.pool.layout = self.kv_layout
+        try:
+            slot = self.pool.admit(probe, used=self.held_entries())
+        except RuntimeError:  # KVCacheFull: the requests running hold the pool
+            return {}
+
+        def forward(q: int) -> float:
+            draft = Draft([0] * q, list(range(-1, q - 1)))
+            began = time.perf_counter()
+            self.forward_segments([Work(probe, Segment(slot, PROBE_CONTEXT, [], draft))])  # type: ignore[arg-type]
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            return time.perf_counter() - began
+
+        seconds: dict[int, float] = {}
+        started = time.perf_counter()
+        try:
+            forward(1)  # the first forward pays for allocations
+            q = 1
+            while q <= PROBE_WIDEST:
+                left = budget_s - (time.perf_counter() - started)
+                if q > 2 and 2 * seconds[q // 2] > left:
+                    break
+                seconds[q] = forward(q)
+                if 2 * seconds[q] < left:  # a second timing where the next width still fits after it
+                    seconds[q] = min(seconds[q], forward(q))
+                q *= 2
+        finally:
+            self.pool.release(probe)
+            self.release_idle()
+        return seconds
 
     def forward_drafts(
         self, drafts: list[Draft], lengths: list[int], slots: Sequence[int] | None = None

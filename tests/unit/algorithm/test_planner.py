@@ -240,3 +240,19 @@ def test_no_node_lighter_than_the_least_paying_weight_ever_joins_a_plan() -> Non
         assert all(prob >= least for planned in plan for prob in planned.probs[1:])
     # many requests in one step: only nearly certain nodes can pay; one request alone: almost any
     assert least_paying_weight(cost, 8, 8) > 0.5 > 0.1 > least_paying_weight(cost, 1, 1)
+
+
+def test_a_measured_curve_starts_the_cost_model_and_is_compared_with_the_steps() -> None:
+    seconds = {1: 0.010, 2: 0.011, 4: 0.016}
+    cost = CostModel.measured(seconds)
+    assert cost.prior == pytest.approx({1: 1.0, 2: 1.1, 4: 1.6}) and cost.relative(8) == pytest.approx(3.2)
+    assert [(q, predicted) for q, predicted, _ in cost.table()] == [
+        (1, 0.010),
+        (2, pytest.approx(0.011)),
+        (4, pytest.approx(0.016)),
+    ]
+    cost.observe(4, 0.040)  # no one-token step seen yet: relative to the measured one
+    assert cost.relative(4) == pytest.approx(4.0)
+    assert dict((q, m) for q, _, m in cost.table())[4] == 0.040
+    with pytest.raises(ValueError, match="1, 2, 4"):
+        CostModel.measured({1: 0.01, 4: 0.02})

@@ -9,6 +9,7 @@ from backend.engine import Engine, RequestState, Update
 from backend.request import GenerationRequest
 from lookahead.config import LookaheadConfig, SamplingParams
 from lookahead.runtime.decoder import GenerationStats, StepOutput
+from lookahead.runtime.scheduler import Scheduler
 
 
 def tokenize(text: str) -> list[int]:
@@ -68,11 +69,16 @@ class ScriptedDecoder:
         self.gate = threading.Event()  # steps wait for it; open unless a test closes it
         self.gate.set()
         self.kv_room: int | None = None  # most KV entries all running requests may hold (None: any)
+        self.scheduler: Scheduler[Any] = Scheduler(self.fits, step_token_budget=128)
+        self.checked: list[bool] = []  # each start's `checked`
 
     def fits(self, longest: list[int]) -> bool:
         return self.kv_room is None or sum(longest) <= self.kv_room
 
-    def start(self, prompt_ids, params, lookahead=None, request_id="", grammar=None) -> ScriptedGeneration:
+    def start(
+        self, prompt_ids, params, lookahead=None, request_id="", grammar=None, checked=False
+    ) -> ScriptedGeneration:
+        self.checked.append(checked)
         name = chr(prompt_ids[0])
         self.generations[name] = ScriptedGeneration(
             self.scripts[name], len(prompt_ids), self.order, name, self.gate
@@ -80,7 +86,7 @@ class ScriptedDecoder:
         return self.generations[name]
 
     def start_samples(
-        self, prompt_ids, params, lookahead=None, request_id="", grammar=None
+        self, prompt_ids, params, lookahead=None, request_id="", grammar=None, checked=False
     ) -> list[ScriptedGeneration]:
         """Sample i runs the script registered for the prompt's first character and i ("a0", "a1"...)."""
         samples = []

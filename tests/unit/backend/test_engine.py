@@ -21,6 +21,7 @@ from lookahead.algorithm.trie import NGramTrie
 from lookahead.config import SamplingParams
 from lookahead.runtime.decoder import StepOutput
 from lookahead.runtime.logprobs import Logprob
+from lookahead.runtime.step_timing import StepTimes
 from lookahead.state.keeper import TrieKeeper
 from lookahead.state.persistence import load_trie
 from tests.helpers import wait_until
@@ -487,3 +488,29 @@ def test_a_stop_queued_while_unloading_is_not_lost():
     decoder.gate.set()
     engine.thread.join(5)
     assert not engine.thread.is_alive()
+
+
+def test_a_request_is_validated_once_and_each_step_is_timed_by_part():
+    timed = []
+    engine, decoder, recorder = run_engine({"a": steps("x", "y")}, on_step_timed=timed.append)
+    decoder.last_step = StepTimes(requests=1, tokens=1)  # the scripted step takes no time of its own
+    state = submit(engine, "a", stream=True)
+    engine.start()
+    recorder.wait_finals(1)
+    engine.stop()
+    assert decoder.checked == [True]  # parse_request ran check_request; the engine does not again
+    assert len(timed) == 2 and recorder.of(state)[-1].final
+    for times in timed:
+        parts = times.parts()
+        assert set(parts) == {
+            "schedule",
+            "draft",
+            "forward",
+            "verify",
+            "commit",
+            "admit",
+            "respond",
+            "keeper",
+            "wait",
+        }
+        assert sum(parts.values()) == pytest.approx(times.wall) and times.wall > 0

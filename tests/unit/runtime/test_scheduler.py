@@ -13,7 +13,8 @@ import pytest
 from lookahead.algorithm.draft import Draft
 from lookahead.algorithm.planner import Calibration, CostModel
 from lookahead.config import LookaheadConfig
-from lookahead.runtime.scheduler import DRAFT_SHARE_BESIDE_PROMPT, schedule
+from lookahead.runtime.scheduler import DRAFT_SHARE_BESIDE_PROMPT, Scheduler
+from lookahead.runtime.scheduler import schedule_step as schedule
 
 ROOT = Path(__file__).resolve().parents[3]
 POINTS = [2**i for i in range(8)]  # 1 .. 128 tokens fed
@@ -124,6 +125,17 @@ def test_drafts_are_trimmed_where_they_do_not_pay() -> None:
     assert len(item.draft) == 1
 
 
+def test_where_no_node_can_pay_no_draft_is_retrieved() -> None:
+    steep = CostModel({q: float(q) for q in POINTS})  # compute-bound: a row costs a whole forward
+    requests = [running(offer=10) for _ in range(8)]
+    plan = schedule(requests, budget=64, cost=steep)
+    assert all(len(item.draft) == 1 for item in plan.scheduled)
+    assert all(request.asked == [] for request in requests)
+    opted_out = running(offer=10, config=LookaheadConfig(adaptive=False))
+    (item,) = schedule([opted_out], budget=64, cost=steep).scheduled
+    assert opted_out.asked and len(item.draft) == 11
+
+
 def test_an_unadmitted_request_is_refused() -> None:
     with pytest.raises(ValueError, match="admitted"):
         schedule([Request(ids=[1, 2], fed=None, prompt_len=2)], budget=8, cost=CostModel(FLAT))
@@ -136,9 +148,10 @@ sys.modules["torch"] = None  # any import of torch raises
 from lookahead.algorithm.drafters import DRAFTERS
 from lookahead.algorithm.planner import CostModel
 import lookahead.algorithm.acceptance, lookahead.algorithm.recycling
-from lookahead.runtime.scheduler import schedule
-import lookahead.algorithm.verify
-print(json.dumps({"plan": len(schedule([], 8, CostModel.for_device("cpu")).scheduled),
+from lookahead.runtime.scheduler import Scheduler
+import lookahead.algorithm.verify, lookahead.runtime.step_timing
+scheduler = Scheduler(lambda longest: True, step_token_budget=8)
+print(json.dumps({"plan": len(scheduler.plan([], CostModel.for_device("cpu")).scheduled),
                   "drafters": sorted(DRAFTERS)}))
 """
     finished = subprocess.run(
@@ -146,3 +159,45 @@ print(json.dumps({"plan": len(schedule([], 8, CostModel.for_device("cpu")).sched
     )
     assert finished.returncode == 0, finished.stderr
     assert json.loads(finished.stdout) == {"plan": 0, "drafters": ["hybrid", "recycled", "trie"]}
+
+
+@dataclass(eq=False)
+class Waiting:
+    """A queued request as the Scheduler sees it."""
+
+    longest: list[int]
+    arrival: float = 0.0
+    cancelled: bool = False
+
+
+def test_the_scheduler_admits_in_arrival_order_within_its_limits() -> None:
+    room = {"entries": 100}
+    scheduler = Scheduler(
+        lambda longest: sum(longest) <= room["entries"], step_token_budget=64, max_running=3
+    )
+    big, small, later = Waiting([90]), Waiting([20]), Waiting([5])
+    for request in (big, small, later):
+        scheduler.add(request)
+    assert scheduler.schedule().started == [big]  # the small one waits behind what does not fit
+    assert list(scheduler.waiting) == [small, later]
+    scheduler.finish(big)
+    assert scheduler.schedule().started == [small, later]
+    assert scheduler.running == [small, later]
+    alone = Scheduler(lambda longest: False, step_token_budget=64)
+    alone.add(big)
+    assert alone.schedule().started == [big]  # the first one starts whatever it holds
+
+
+def test_the_scheduler_drops_the_cancelled_the_late_and_the_overflow() -> None:
+    scheduler = Scheduler(lambda longest: True, step_token_budget=64, max_running=1)
+    scheduler.limit(max_running=1, max_queued=1, queue_timeout_s=5.0)
+    running, cancelled, late, kept, newest = (Waiting([1], arrival=t) for t in (0.0, 0.0, 1.0, 8.0, 9.0))
+    cancelled.cancelled = True
+    for request in (running, cancelled, late, kept, newest):
+        scheduler.add(request)
+    admission = scheduler.schedule(now=10.0)
+    assert admission.started == [running] and admission.cancelled == [cancelled]
+    assert admission.timed_out == [(late, 9.0)] and admission.overflow == [(newest, 1)]
+    assert list(scheduler.waiting) == [kept]
+    with pytest.raises(ValueError, match="max_running_requests"):
+        scheduler.limit(max_running=0)

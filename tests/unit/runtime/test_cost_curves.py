@@ -1,0 +1,81 @@
+"""The planner on the running model's own cost curve: measured at load within its budget, one
+curve per (kernel, threads), the step's time split into its parts."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import torch
+
+from lookahead import LookaheadConfig, LookaheadDecoder, NGramTrie, SamplingParams
+from lookahead.algorithm.cost_priors import STOCK_CPU_PRIOR
+from lookahead.runtime.step_timing import DECODER_PARTS
+from tests.helpers import repetitive_prompt as random_repetitive
+
+
+def repetitive_prompt() -> list[int]:
+    return random_repetitive(random.Random(0), 200)
+
+
+def test_measure_cost_times_the_model_within_its_budget(tiny_model, byte_tokenizer) -> None:
+    decoder = LookaheadDecoder(tiny_model("llama"), byte_tokenizer, NGramTrie(1000, 8))
+    assert decoder.cost.prior == STOCK_CPU_PRIOR and decoder.cost.predicted == {}
+    decoder.kv_bytes_per_token  # as the backend does before measuring: the model's first forward
+    started = time.perf_counter()
+    cost = decoder.measure_cost(budget_s=0.3)
+    elapsed = time.perf_counter() - started
+    widths = sorted(cost.predicted)
+    assert widths[:2] == [1, 2] and widths == [1 << i for i in range(len(widths))]
+    # the last width started within the budget: at most two forwards of about twice the widest after it
+    assert elapsed < 0.3 + 4 * max(cost.predicted.values()) + 0.5
+    assert cost.prior == {q: max(s / cost.predicted[1], 1.0) for q, s in cost.predicted.items()}
+    assert decoder.cost is cost and not any(decoder.runner.pool.owners)  # the probe left its slot
+
+
+def test_each_thread_count_gets_its_own_measured_curve(tiny_model, byte_tokenizer) -> None:
+    decoder = LookaheadDecoder(tiny_model("llama"), byte_tokenizer, NGramTrie(1000, 8))
+    first = decoder.measure_cost(budget_s=0.1)
+    kernel, threads = decoder.cost_key
+    assert kernel == "stock"
+    decoder.on_threads_changed(threads + 1)
+    second = decoder.cost
+    assert second is not first and second.predicted  # measured again, not the prior
+    decoder.on_threads_changed(threads)
+    assert decoder.cost is first
+
+
+def test_a_step_notices_a_change_of_torch_threads(tiny_model, byte_tokenizer) -> None:
+    decoder = LookaheadDecoder(tiny_model("llama"), byte_tokenizer, NGramTrie(1000, 8))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads + 1)
+        decoder.generate([1, 2, 3], SamplingParams(max_tokens=2))
+        assert decoder.cost_key[1] == threads + 1 and set(decoder.costs) == {("stock", threads + 1)}
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_the_table_shows_the_prediction_beside_the_steps_measured(tiny_model, byte_tokenizer) -> None:
+    decoder = LookaheadDecoder(tiny_model("llama"), byte_tokenizer, NGramTrie(1000, 8))
+    cost = decoder.measure_cost(budget_s=0.1)
+    assert all(measured is None for _, _, measured in cost.table())
+    decoder.generate(repetitive_prompt(), SamplingParams(max_tokens=16))
+    rows = {q: (predicted, measured) for q, predicted, measured in cost.table()}
+    assert rows[1][0] == cost.predicted[1]
+    assert any(measured is not None for _, measured in rows.values())
+
+
+def test_a_steps_parts_add_up_and_count_what_it_fed(tiny_model, byte_tokenizer) -> None:
+    decoder = LookaheadDecoder(tiny_model("llama"), byte_tokenizer, NGramTrie(1000, 8), LookaheadConfig())
+    gens = [decoder.start(repetitive_prompt(), SamplingParams(max_tokens=8)) for _ in range(2)]
+    decoder.step(gens)  # the prompts
+    started = time.perf_counter()
+    outputs = decoder.step(gens)
+    wall = time.perf_counter() - started
+    times = decoder.last_step
+    assert all(output.token_ids for output in outputs)
+    assert times.requests == 2 and times.tokens >= 2
+    assert times.forward > 0 and times.commit > 0 and times.verify > 0
+    assert set(times.parts()) == set(DECODER_PARTS)
+    assert times.total <= wall
