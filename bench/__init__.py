@@ -4,8 +4,9 @@ In one process, on the library: `decoding`, `forward_cost`, `roofline`, `perplex
 `grammar_cost`, `oracle_bound`, `agreement`, `acceptance`, `device_check`. Through real servers (tritonserver,
 the OpenAI endpoint, llama-server, Redis): `load_test`, `step_profile`, `speedup`, `multi_turn`,
 `genai_perf`, `stall_test`, `structured`, `peer_llama_cpp`, `busy_neighbour`, `fleet`, with
-`ab_repository` to serve two revisions side by side. Prompt sets (prompt_sets.py, json_extraction.py) come from data files
-that pip packages ship; stdlib_sets.py builds its own from the interpreter's standard library.
+`ab_repository` to serve two revisions side by side. Prompt sets (prompt_sets.py,
+json_extraction.py) come from data files that pip packages ship; stdlib_sets.py builds its own
+from the interpreter's standard library.
 """
 
 # name -> what it measures (a module of this package with `main(argv) -> int`)
