@@ -252,8 +252,8 @@ def test_one_failing_request_in_a_batched_step_leaves_the_others_as_if_alone(
     decoder = LookaheadDecoder(model, byte_tokenizer, NGramTrie(10_000, 9), max_speculative_batch=3)
     start = decoder.start
 
-    def start_with_a_fault(prompt_ids, sampling, lookahead=None, request_id="", grammar=None):
-        gen = start(prompt_ids, sampling, lookahead, request_id, grammar)
+    def start_with_a_fault(prompt_ids, sampling, lookahead=None, request_id="", grammar=None, **options):
+        gen = start(prompt_ids, sampling, lookahead, request_id, grammar, **options)
         if list(prompt_ids) == prompts["b"]:
             target = gen.selector if where == "select" else gen.detokenizer
             name = "select" if where == "select" else "_decode"
