@@ -12,11 +12,12 @@ import asyncio
 from collections.abc import Sequence
 from typing import Any
 
-from lookahead.models.chat import chat_prompt
+from lookahead.models.chat import chat_prompt, renders_tools, template_source
 from lookahead.models.loading import load_tokenizer
 from lookahead.models.prompt_bytes import prompt_byte_limit
 
 from .errors import APIError, model_not_found
+from .tool_calls import ToolFamily, family_for_template
 from .triton import Triton
 
 
@@ -36,11 +37,30 @@ class ServedModels:
         if model not in await self.names():
             raise model_not_found(model)
 
-    async def chat_prompt(self, model: str, messages: Sequence[dict[str, Any]]) -> str:
-        """The conversation in the chat format of what `model` serves, as the raw prompt to send
-        (the template runs on a worker thread)."""
+    async def chat_prompt(
+        self, model: str, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None
+    ) -> str:
+        """The conversation (and the tools' definitions) in the chat format of what `model`
+        serves, as the raw prompt to send (the template runs on a worker thread)."""
         tokenizer = await self.tokenizer(model)
-        return await asyncio.to_thread(_chat_prompt, tokenizer, messages)
+        return await asyncio.to_thread(_chat_prompt, tokenizer, messages, tools, model)
+
+    async def tool_family(self, model: str, *, parsed: bool) -> ToolFamily | None:
+        """The tool-call syntax of what `model` serves; 400 naming the model where its chat template
+        renders no tools, or (parsed: the output's calls are read in the model's own syntax) where
+        no family's parser knows its syntax."""
+        tokenizer = await self.tokenizer(model)
+        if not renders_tools(tokenizer):
+            raise APIError(400, f"tools: the chat template of model `{model}` has no tools", "tools")
+        family = family_for_template(template_source(tokenizer, tools=True))
+        if family is None and parsed:
+            raise APIError(
+                400,
+                f"tools: no tool-call parser knows the syntax of model `{model}`'s chat template "
+                "(tool_choice required or a named function still work)",
+                "tools",
+            )
+        return family
 
     async def first_token(self, model: str, prompt: str) -> str:
         """The text of the first token of `prompt` as the server tokenizes it (the prompt's logprobs
@@ -84,11 +104,25 @@ class ServedModels:
         return self.tokenizers[served]
 
 
-def _chat_prompt(tokenizer: Any, messages: Sequence[dict[str, Any]]) -> str:
+def _chat_prompt(
+    tokenizer: Any, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None, model: str
+) -> str:
     try:
-        return chat_prompt(tokenizer, messages)
+        return chat_prompt(tokenizer, messages, tools)
     except Exception as error:  # the template's own refusal (e.g. roles out of order)
+        if tools and _renders(tokenizer, messages):
+            message = f"tools: the chat template of model `{model}` cannot render them: {str(error)[:500]}"
+            raise APIError(400, message, "tools") from None
         raise APIError(400, f"messages: {str(error)[:500]}", "messages") from None
+
+
+def _renders(tokenizer: Any, messages: Sequence[dict[str, Any]]) -> bool:
+    """The conversation renders without tools (so that it is the tools that a template refused)."""
+    try:
+        chat_prompt(tokenizer, messages)
+    except Exception:
+        return False
+    return True
 
 
 def _load_tokenizer(served: str) -> Any:
