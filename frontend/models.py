@@ -26,7 +26,7 @@ class ServedModels:
         self.triton = triton
         self.tokenizer_override = tokenizer
         self.tokenizers: dict[str, Any] = {}  # served model (name or folder) -> its tokenizer
-        self.bounds: dict[str, tuple[int, int]] = {}  # model -> prompt_bound(model)
+        self.bounds: dict[str, tuple[int, int] | None] = {}  # model -> prompt_bound(model)
         self.loading = asyncio.Lock()
 
     async def names(self) -> list[str]:
@@ -70,23 +70,28 @@ class ServedModels:
 
     async def check_prompt_size(self, model: str, size: int, param: str) -> None:
         """400 for a prompt of `size` UTF-8 bytes that the model's max_prompt_tokens cannot hold
-        (the bound its server checks before tokenizing), so that it is never tokenized here."""
-        most_tokens, most_bytes = await self.prompt_bound(model)
-        if size > most_bytes:
+        (the bound its server checks before tokenizing), so that it is never tokenized here. A
+        model whose bound follows its context length is bounded by the body's size here."""
+        bound = await self.prompt_bound(model)
+        if bound is not None and size > bound[1]:
             raise APIError(
                 400,
-                f"{param} has {size} bytes: more than max_prompt_tokens ({most_tokens}) tokens can hold "
-                f"on this model (at most {most_bytes} bytes)",
+                f"{param} has {size} bytes: more than max_prompt_tokens ({bound[0]}) tokens can hold "
+                f"on this model (at most {bound[1]} bytes)",
                 param,
             )
 
-    async def prompt_bound(self, model: str) -> tuple[int, int]:
-        """(max_prompt_tokens, the most UTF-8 bytes so many tokens can spell) of `model`."""
+    async def prompt_bound(self, model: str) -> tuple[int, int] | None:
+        """(max_prompt_tokens, the most UTF-8 bytes so many tokens can spell) of `model`; None
+        where its bound follows the model's context length."""
         if model not in self.bounds:
             most_tokens = await self.triton.max_prompt_tokens(model)
-            tokenizer = await self.tokenizer(model)
-            most_bytes = await asyncio.to_thread(prompt_byte_limit, tokenizer, most_tokens)
-            self.bounds[model] = most_tokens, most_bytes
+            if most_tokens is None:
+                self.bounds[model] = None
+            else:
+                tokenizer = await self.tokenizer(model)
+                most_bytes = await asyncio.to_thread(prompt_byte_limit, tokenizer, most_tokens)
+                self.bounds[model] = most_tokens, most_bytes
         return self.bounds[model]
 
     async def tokenizer(self, model: str) -> Any:
