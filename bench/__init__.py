@@ -2,7 +2,7 @@
 
 In one process, on the library: `decoding`, `forward_cost`, `roofline`, `retrieval_cost`,
 `grammar_cost`, `oracle_bound`, `agreement`, `acceptance`, `device_check`. Through real servers (tritonserver,
-the OpenAI endpoint, llama-server, Redis): `load_test`, `speedup`, `multi_turn`, `genai_perf`,
+the OpenAI endpoint, llama-server, Redis): `load_test`, `speedup`, `multi_turn`, `agent_loop`, `genai_perf`,
 `stall_test`, `structured`, `peer_llama_cpp`, `fleet`, with `ab_repository` to serve two
 revisions side by side. Prompt sets (prompt_sets.py, json_extraction.py) come from data files
 that pip packages ship; stdlib_sets.py builds its own from the interpreter's standard library.
@@ -22,6 +22,7 @@ BENCHMARKS = {
     "load_test": "perf_analyzer against the served lookahead and baseline models",
     "speedup": "lookahead against the baseline through the server per prompt set, outputs compared",
     "multi_turn": "four-turn coding conversations through the server, each turn resending the last",
+    "agent_loop": "a coding agent's tool loop through the OpenAI endpoint: calls, results, answers",
     "genai_perf": "genai-perf through the OpenAI endpoint: TTFT, inter-token latency, tokens/s",
     "stall_test": "whether a long prompt stalls the streams already running",
     "structured": "structured outputs through the server, with and without lookahead",
