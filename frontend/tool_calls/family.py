@@ -11,8 +11,8 @@ from .calls import ToolCall, openai_call_id
 @dataclass(frozen=True)
 class ToolFamily:
     """name: the family, for messages and docs. template_markers: text that only this family's
-    chat templates hold (any one identifies it). starts: text that opens the model's tool calls.
-    at_start_only: calls open only at the output's start (after whitespace), else anywhere.
+    chat templates hold (any one identifies it). starts: text that opens the model's tool calls
+    anywhere; leading: text that opens them only at the output's start (after whitespace).
     parse(calls_text, final): the calls in the text from the opening marker on; with final
     False, only those already closed (so that a stream can send them), None where none can be
     read. special_tokens: the syntax uses special tokens, which the output must keep.
@@ -23,7 +23,7 @@ class ToolFamily:
     template_markers: tuple[str, ...]
     starts: tuple[str, ...]
     parse: Callable[[str, bool], list[ToolCall] | None]
-    at_start_only: bool = False
+    leading: tuple[str, ...] = ()
     special_tokens: bool = False
     call_id: Callable[[], str] = openai_call_id
 
@@ -32,20 +32,20 @@ class ToolFamily:
 
     def find_start(self, text: str) -> int | None:
         """Where the calls open in `text` (None: not yet)."""
-        if self.at_start_only:
-            stripped = text.lstrip()
-            offset = len(text) - len(stripped)
-            return offset if any(stripped.startswith(start) for start in self.starts) else None
+        stripped = text.lstrip()
+        if any(stripped.startswith(lead) for lead in self.leading):
+            return len(text) - len(stripped)
         found = [index for index in (text.find(start) for start in self.starts) if index >= 0]
         return min(found) if found else None
 
     def may_start(self, text: str) -> int:
         """How many characters at the end of `text` could begin an opening marker: a stream holds
         them back until it knows."""
-        if self.at_start_only:
-            stripped = text.lstrip()
-            return len(text) if not stripped or any(s.startswith(stripped) for s in self.starts) else 0
-        for length in range(min(len(text), max(map(len, self.starts)) - 1), 0, -1):
+        stripped = text.lstrip()
+        if self.leading and (not stripped or any(lead.startswith(stripped) for lead in self.leading)):
+            return len(text)
+        longest = max(map(len, self.starts), default=0)
+        for length in range(min(len(text), longest - 1), 0, -1):
             if any(start.startswith(text[-length:]) for start in self.starts):
                 return length
         return 0

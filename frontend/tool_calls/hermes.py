@@ -1,6 +1,7 @@
 """Hermes-style calls, which Qwen2.5, Qwen2.5-Coder, Qwen3 and NousResearch's Hermes templates ask for:
 `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, one block per call. A block holding a
-JSON list of calls (SmolLM2's trained form) gives each of them."""
+JSON list of calls (SmolLM2's trained form) gives each of them; an output that is one bare call
+object, without the tags (small Qwen models write that), gives its call."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
 
 def parse(text: str, final: bool) -> list[ToolCall] | None:
+    if not text.startswith(OPEN):  # a bare call object: it ends with the output
+        return json_calls(text) if final else []
     calls: list[ToolCall] = []
     for block in text.split(OPEN)[1:]:
         closed = CLOSE in block
@@ -23,4 +26,4 @@ def parse(text: str, final: bool) -> list[ToolCall] | None:
     return calls or (None if final else [])
 
 
-FAMILY = ToolFamily("hermes", template_markers=(OPEN,), starts=(OPEN,), parse=parse)
+FAMILY = ToolFamily("hermes", template_markers=(OPEN,), starts=(OPEN,), parse=parse, leading=("{",))

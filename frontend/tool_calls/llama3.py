@@ -35,8 +35,8 @@ def parse(text: str, final: bool) -> list[ToolCall] | None:
 FAMILY = ToolFamily(
     "llama3_json",
     template_markers=("respond with a JSON for a function call", TAG),
-    starts=("{", TAG),
+    starts=(),
     parse=parse,
-    at_start_only=True,
+    leading=("{", TAG),
     special_tokens=True,
 )

@@ -59,6 +59,7 @@ class ParsedCalls:
             end = len(self.text) - (0 if final else self.family.may_start(self.text))
             return self._content(end), []
         content = self._content(self.start)
+        content = content if content.strip() else ""  # the whitespace before the calls is no content
         calls = self.family.parse(self.text[self.start :], final)
         if calls is None:
             return content + (self._content(len(self.text)) if final else ""), []

@@ -40,6 +40,7 @@ OUTPUTS = [
         [("a", "{}"), ("b", ARGS)],
     ),
     (hermes.FAMILY, f'<tool_call>[{{"name": "a", "arguments": {ARGS}}}]</tool_call>', "", [("a", ARGS)]),
+    (hermes.FAMILY, f' {{"name": "get_weather", "arguments": {ARGS}}}', "", [("get_weather", ARGS)]),
     (llama3.FAMILY, f'{{"name": "get_weather", "parameters": {ARGS}}}', "", [("get_weather", ARGS)]),
     (
         llama3.FAMILY,
@@ -142,7 +143,7 @@ def test_required_reads_the_constrained_list_and_a_cut_output_is_content():
 
 def test_mistral_calls_get_the_nine_character_ids_its_templates_take():
     message = ChatFormat(0, ParsedCalls(mistral.FAMILY), mistral.FAMILY.call_id).choice(
-        OUTPUTS[5][1], None, "stop"
+        OUTPUTS[-2][1], None, "stop"
     )
     identifier = message["message"]["tool_calls"][0]["id"]
     assert len(identifier) == 9 and identifier.isalnum()
