@@ -44,6 +44,27 @@ def json_calls(text: str) -> list[ToolCall] | None:
     return calls  # type: ignore[return-value]
 
 
+def json_call_sequence(text: str) -> list[ToolCall] | None:
+    """The calls of call objects one after another (whitespace or `;` between them); the last one
+    may be cut short or mistyped (json_calls reads what it can of it; nothing readable: dropped)."""
+    text = text.strip()
+    decoder, calls, position = json.JSONDecoder(), [], 0
+    while position < len(text):
+        try:
+            value, end = decoder.raw_decode(text, position)
+        except ValueError:
+            rest = json_calls(text[position:])  # an unreadable tail after calls is dropped
+            return calls + rest if rest is not None else (calls or None)
+        found = json_calls(json.dumps(value))
+        if found is None:
+            return None
+        calls += found
+        position = end
+        while position < len(text) and text[position] in "; \n\t":
+            position += 1
+    return calls or None
+
+
 def _object_call(value: Any) -> ToolCall | None:
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
         return None

@@ -1,19 +1,19 @@
 """Hermes-style calls, which Qwen2.5, Qwen2.5-Coder, Qwen3 and NousResearch's Hermes templates ask for:
 `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, one block per call. A block holding a
-JSON list of calls (SmolLM2's trained form) gives each of them; an output that is one bare call
-object, without the tags (small Qwen models write that), gives its call."""
+JSON list of calls (SmolLM2's trained form) gives each of them; an output of bare call objects,
+without the tags (small Qwen models write that), gives theirs."""
 
 from __future__ import annotations
 
-from .calls import ToolCall, json_calls
+from .calls import ToolCall, json_call_sequence, json_calls
 from .family import ToolFamily
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
 
 def parse(text: str, final: bool) -> list[ToolCall] | None:
-    if not text.startswith(OPEN):  # a bare call object: it ends with the output
-        return json_calls(text) if final else []
+    if not text.startswith(OPEN):  # bare call objects: they end with the output
+        return json_call_sequence(text) if final else []
     calls: list[ToolCall] = []
     for block in text.split(OPEN)[1:]:
         closed = CLOSE in block

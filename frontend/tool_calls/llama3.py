@@ -3,9 +3,7 @@ after `<|python_tag|>`), several separated by `;`."""
 
 from __future__ import annotations
 
-import json
-
-from .calls import ToolCall, json_calls
+from .calls import ToolCall, json_call_sequence
 from .family import ToolFamily
 
 TAG = "<|python_tag|>"
@@ -14,22 +12,7 @@ TAG = "<|python_tag|>"
 def parse(text: str, final: bool) -> list[ToolCall] | None:
     if not final:  # a call's end is the output's end
         return []
-    text = text.strip().removeprefix(TAG).strip()
-    decoder, calls, position = json.JSONDecoder(), [], 0
-    while position < len(text):
-        try:
-            value, end = decoder.raw_decode(text, position)
-        except ValueError:
-            rest = json_calls(text[position:])  # the last one, not valid JSON
-            return calls + rest if rest is not None else None
-        found = json_calls(json.dumps(value))
-        if found is None:
-            return None
-        calls += found
-        position = end
-        while position < len(text) and text[position] in "; \n\t":
-            position += 1
-    return calls or None
+    return json_call_sequence(text.strip().removeprefix(TAG))
 
 
 FAMILY = ToolFamily(

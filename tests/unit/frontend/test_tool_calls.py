@@ -41,6 +41,12 @@ OUTPUTS = [
     ),
     (hermes.FAMILY, f'<tool_call>[{{"name": "a", "arguments": {ARGS}}}]</tool_call>', "", [("a", ARGS)]),
     (hermes.FAMILY, f' {{"name": "get_weather", "arguments": {ARGS}}}', "", [("get_weather", ARGS)]),
+    (
+        hermes.FAMILY,
+        f'{{"name": "a", "arguments": {ARGS}}}\n{{"name": "b", "arguments": {{}}}}\n{{"',
+        "",
+        [("a", ARGS), ("b", "{}")],
+    ),
     (llama3.FAMILY, f'{{"name": "get_weather", "parameters": {ARGS}}}', "", [("get_weather", ARGS)]),
     (
         llama3.FAMILY,
