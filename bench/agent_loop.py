@@ -119,7 +119,10 @@ def agent(client: Any, model: str, index: int, task: str, turns: int, max_tokens
     """One task's loop: a request per turn, each tool call answered, until the model answers."""
     messages: list[dict[str, Any]] = [
         {"role": "system", "content": SYSTEM},
-        {"role": "user", "content": f"The function {task} has a bug with empty input. Find it."},
+        {
+            "role": "user",
+            "content": f"{task} has a bug with empty input. Read it with read_file, then find it.",
+        },
     ]
     name, _, drafter = model.partition(":")  # lookahead:hybrid: the served model with that drafter
     extra = {"extra_body": {"drafter": drafter}} if drafter else {}
@@ -136,7 +139,7 @@ def agent(client: Any, model: str, index: int, task: str, turns: int, max_tokens
         ) as stream:
             for _ in stream:
                 first = first or time.perf_counter()
-            reply = stream.get_final_completion()
+            reply = stream.current_completion_snapshot  # (the final completion refuses a cut one)
         ended = time.perf_counter()
         message = reply.choices[0].message
         calls = message.tool_calls or []
@@ -159,7 +162,15 @@ def agent(client: Any, model: str, index: int, task: str, turns: int, max_tokens
         )
         if not calls:
             break
-        messages.append(message.model_dump(exclude_none=True))
+        sent = [
+            {
+                "id": c.id,
+                "type": "function",
+                "function": {"name": c.function.name, "arguments": c.function.arguments},
+            }
+            for c in calls
+        ]
+        messages.append({"role": "assistant", "content": message.content, "tool_calls": sent})
         for call in calls:
             result = run_tool(call.function.name, call.function.arguments, task)
             messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
