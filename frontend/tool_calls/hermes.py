@@ -1,7 +1,7 @@
 """Hermes-style calls, which Qwen2.5, Qwen2.5-Coder, Qwen3 and NousResearch's Hermes templates ask for:
 `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, one block per call. A block holding a
 JSON list of calls (SmolLM2's trained form) gives each of them; an output of bare call objects,
-without the tags (small Qwen models write that), gives theirs."""
+without the tags, or in a ```json fence (small Qwen models write those), gives theirs."""
 
 from __future__ import annotations
 
@@ -9,11 +9,17 @@ from .calls import ToolCall, json_call_sequence, json_calls
 from .family import ToolFamily
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
+FENCE = "```json"
 
 
 def parse(text: str, final: bool) -> list[ToolCall] | None:
-    if not text.startswith(OPEN):  # bare call objects: they end with the output
-        return json_call_sequence(text) if final else []
+    if not text.startswith(OPEN):  # bare call objects (in a code fence or not): they end with the output
+        bare = (
+            text.removeprefix(FENCE).removeprefix("\n").removesuffix("```")
+            if text.startswith(FENCE)
+            else text
+        )
+        return json_call_sequence(bare) if final else []
     calls: list[ToolCall] = []
     for block in text.split(OPEN)[1:]:
         closed = CLOSE in block
@@ -26,4 +32,4 @@ def parse(text: str, final: bool) -> list[ToolCall] | None:
     return calls or (None if final else [])
 
 
-FAMILY = ToolFamily("hermes", template_markers=(OPEN,), starts=(OPEN,), parse=parse, leading=("{",))
+FAMILY = ToolFamily("hermes", template_markers=(OPEN,), starts=(OPEN,), parse=parse, leading=("{", FENCE))

@@ -41,6 +41,7 @@ OUTPUTS = [
     ),
     (hermes.FAMILY, f'<tool_call>[{{"name": "a", "arguments": {ARGS}}}]</tool_call>', "", [("a", ARGS)]),
     (hermes.FAMILY, f' {{"name": "get_weather", "arguments": {ARGS}}}', "", [("get_weather", ARGS)]),
+    (hermes.FAMILY, f'```json\n{{"name": "a", "arguments": {ARGS}}}\n```', "", [("a", ARGS)]),
     (
         hermes.FAMILY,
         f'{{"name": "a", "arguments": {ARGS}}}\n{{"name": "b", "arguments": {{}}}}\n{{"',
@@ -107,7 +108,12 @@ def test_arguments_that_are_not_json_come_back_as_written(output):
 
 @pytest.mark.parametrize(
     "output",
-    ["<tool_call>\nnot a call at all\n</tool_call>", "Plain text with <tool_call in it", "{not json"],
+    [
+        "<tool_call>\nnot a call at all\n</tool_call>",
+        '```json\n{"key": "a JSON answer"}\n```',
+        "Plain text with <tool_call in it",
+        "{not json",
+    ],
 )
 def test_text_that_reads_as_no_call_is_content(output):
     family = llama3.FAMILY if output.startswith("{") else hermes.FAMILY
