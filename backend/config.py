@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 
 from lookahead.algorithm.trie import MAX_DEPTH_LIMIT
 from lookahead.config import DRAFTER_NAMES, LINEAR_KERNELS, DecoderConfig, LookaheadConfig, TrieConfig
-from lookahead.contract import DEFAULT_MAX_PROMPT_TOKENS, MODEL_ENV, STATE_DIR_ENV, SYNC_ENV
+from lookahead.contract import MODEL_ENV, STATE_DIR_ENV, SYNC_ENV
 from lookahead.models.embedded import DEFAULT_MODEL
 from lookahead.models.loading import DTYPES
 from lookahead.state.sync import check_url
@@ -53,7 +53,7 @@ class BackendConfig:
     trie_sync: str = ""  # "": the trie learns alone; else the Redis URL of the fleet's stream
     trie_sync_namespace: str = "lookahead"  # key prefix: fleets that must not share drafts use their own
     trie_sync_max_entries: int = 10000  # the stream's MAXLEN (approximate): what Redis retains
-    max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS
+    max_prompt_tokens: int = 0  # 0: the model's context length, within kv_cache_bytes
     max_output_tokens: int = 0  # 0: only the model's context window bounds max_tokens
     max_running_requests: int = 16  # requests stepped together; the rest wait in the queue, in order
     max_queued_requests: int = 256  # requests waiting beyond this get UNAVAILABLE; 0: no bound
@@ -272,7 +272,7 @@ PARAMETERS: dict[str, tuple[tuple[str, ...], Callable[..., Any]]] = {
     "trie_sync": (("trie_sync",), check_url),
     "trie_sync_namespace": (("trie_sync_namespace",), _namespace),
     "trie_sync_max_entries": (("trie_sync_max_entries",), _int(minimum=1)),
-    "max_prompt_tokens": (("max_prompt_tokens",), _int(minimum=1)),
+    "max_prompt_tokens": (("max_prompt_tokens",), _int(minimum=0)),
     "max_output_tokens": (("max_output_tokens",), _int(minimum=0)),
     "max_running_requests": (("max_running_requests",), _int(minimum=1)),
     "max_queued_requests": (("max_queued_requests",), _int(minimum=0)),

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+from lookahead.contract import DEFAULT_MAX_PROMPT_TOKENS
 from lookahead.models.checks import UnsupportedModelError, check_tree_attention
 from lookahead.models.embedded import EmbeddedModelError
 from lookahead.models.loading import LoadedModel, freeze_loaded_objects, load_model
@@ -164,11 +165,15 @@ class TritonPythonModel:
                 "path runs fp32 models on x86-64 CPUs with AVX-512 or AVX2 + FMA + F16C"
             )
         self.check_request = decoder.check_request
+        max_prompt_tokens = (
+            config.max_prompt_tokens or decoder.longest_prompt(config.lookahead) or DEFAULT_MAX_PROMPT_TOKENS
+        )
+        self.logger.log_info(f"{args['model_instance_name']}: prompts of up to {max_prompt_tokens} tokens")
         self.limits = RequestLimits(
             config.lookahead,
-            config.max_prompt_tokens,
+            max_prompt_tokens,
             config.max_output_tokens,
-            max_prompt_bytes=prompt_byte_limit(loaded.tokenizer, config.max_prompt_tokens),
+            max_prompt_bytes=prompt_byte_limit(loaded.tokenizer, max_prompt_tokens),
             context_length=decoder.context_length,
             vocab_size=loaded.vocab_size,
             acceptance_outputs=config.acceptance_outputs,
@@ -180,7 +185,7 @@ class TritonPythonModel:
             labels = instance_labels(args["model_name"], args["model_version"], args["model_instance_name"])
             writer = MetricWriter(self.logger)
             self.metrics = LookaheadMetrics.create(labels, writer, self.logger)
-            max_model_len = decoder.context_length or config.max_prompt_tokens
+            max_model_len = decoder.context_length or max_prompt_tokens
             self.vllm_metrics = VllmMetrics.create(labels, max_model_len, writer)
             if self.metrics is None and self.vllm_metrics is None:
                 writer.close()

@@ -3,8 +3,8 @@
 In one process, on the library: `decoding`, `forward_cost`, `roofline`, `perplexity`, `retrieval_cost`,
 `grammar_cost`, `oracle_bound`, `agreement`, `acceptance`, `device_check`. Through real servers (tritonserver,
 the OpenAI endpoint, llama-server, Redis): `load_test`, `step_profile`, `speedup`, `multi_turn`,
-`genai_perf`, `stall_test`, `structured`, `peer_llama_cpp`, `busy_neighbour`, `fleet`, with
-`ab_repository` to serve two revisions side by side. Prompt sets (prompt_sets.py,
+`agent_loop`, `genai_perf`, `stall_test`, `structured`, `peer_llama_cpp`, `busy_neighbour`, `fleet`,
+with `ab_repository` to serve two revisions side by side. Prompt sets (prompt_sets.py,
 json_extraction.py) come from data files that pip packages ship; stdlib_sets.py builds its own
 from the interpreter's standard library.
 """
@@ -25,6 +25,7 @@ BENCHMARKS = {
     "step_profile": "each server step's wall time by part (forward, drafting, responses...) per concurrency",
     "speedup": "lookahead against the baseline through the server per prompt set, outputs compared",
     "multi_turn": "four-turn coding conversations through the server, each turn resending the last",
+    "agent_loop": "a coding agent's tool loop through the OpenAI endpoint: calls, results, answers",
     "genai_perf": "genai-perf through the OpenAI endpoint: TTFT, inter-token latency, tokens/s",
     "stall_test": "whether a long prompt stalls the streams already running",
     "structured": "structured outputs through the server, with and without lookahead",

@@ -27,7 +27,9 @@ from starlette.routing import Route
 from .edge import Admission, Limits, parse_json, read_body
 from .errors import APIError, from_validation, invalid
 from .models import ServedModels
-from .protocol import ChatCompletionRequest, CompletionRequest
+from .protocol import ChatCompletionRequest, CompletionRequest, NamedToolChoice
+from .tool_calls import NamedCall, ParsedCalls, RequiredCalls, ToolFamily, ToolOutput, gather
+from .tool_calls.calls import openai_call_id
 from .triton import Piece, TokenLogprob, Triton, inputs
 
 Body = TypeVar("Body", bound=BaseModel)
@@ -90,24 +92,81 @@ class Usage:
 
 
 class ChatFormat:
-    """chat.completion objects and their chunks, of the choice `index`."""
+    """chat.completion objects and their chunks, of the choice `index`; with tools (the request's
+    reader of tool calls), the output's calls as tool_calls, streamed as OpenAI streams them."""
 
     id_prefix, whole, chunk = "chatcmpl", "chat.completion", "chat.completion.chunk"
 
-    def __init__(self, index: int = 0) -> None:
+    def __init__(
+        self, index: int = 0, tools: ToolOutput | None = None, call_id: Callable[[], str] = openai_call_id
+    ) -> None:
         self.index = index
         self.started = False
+        self.tools = tools
+        self.call_id = call_id
+        self.called = False  # the output holds a tool call
 
     def choice(self, text: str, logprobs: list[TokenLogprob] | None, finish_reason: str | None) -> dict:
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if self.tools is not None:
+            content, deltas = self.tools.feed(text, True)
+            calls = gather(deltas)
+            if calls:
+                message["content"] = content or None
+                message["tool_calls"] = [
+                    {
+                        "id": self.call_id(),
+                        "type": "function",
+                        "function": {"name": c.name, "arguments": c.arguments},
+                    }
+                    for c in calls
+                ]
+                self.called = True
         return {
             "index": self.index,
-            "message": {"role": "assistant", "content": text},
+            "message": message,
             "logprobs": self.logprobs(logprobs),
-            "finish_reason": finish_reason,
+            "finish_reason": self.finish(finish_reason),
         }
 
+    def finish(self, finish_reason: str | None) -> str | None:
+        """OpenAI's finish_reason: tool_calls where an output that ended on its own called tools."""
+        return "tool_calls" if self.called and finish_reason == "stop" else finish_reason
+
+    def deltas(self, text: str, logprobs: list[TokenLogprob] | None, finish_reason: str | None) -> list[dict]:
+        """The chunks' choices for a response's new text (none where there is nothing to send)."""
+        if self.tools is None:
+            if text or logprobs or finish_reason or not self.started:
+                return [self.delta(text, logprobs, finish_reason)]
+            return []
+        content, calls = self.tools.feed(text, finish_reason is not None)
+        changes: list[dict[str, Any]] = [{"content": content}] if content else []
+        for call in calls:
+            if call.name is not None:
+                self.called = True
+                function = {"name": call.name, "arguments": ""}
+                entry = {"index": call.index, "id": self.call_id(), "type": "function", "function": function}
+            elif call.arguments:
+                entry = {"index": call.index, "function": {"arguments": call.arguments}}
+            else:
+                continue
+            changes.append({"tool_calls": [entry]})
+        if not changes and (not self.started or logprobs):
+            changes = [{"content": ""} if not self.started else {}]
+        chunks = [self._delta(change, logprobs if i == 0 else None, None) for i, change in enumerate(changes)]
+        if finish_reason is not None:
+            if chunks and not any("tool_calls" in change for change in changes):
+                chunks[-1]["finish_reason"] = self.finish(finish_reason)
+            else:
+                chunks.append(self._delta({}, None, self.finish(finish_reason)))
+        return chunks
+
     def delta(self, text: str, logprobs: list[TokenLogprob] | None, finish_reason: str | None) -> dict:
-        delta = {"content": text} if text or not self.started else {}
+        return self._delta({"content": text} if text or not self.started else {}, logprobs, finish_reason)
+
+    def _delta(
+        self, delta: dict[str, Any], logprobs: list[TokenLogprob] | None, finish_reason: str | None
+    ) -> dict:
         if not self.started:
             delta["role"], self.started = "assistant", True
         return {
@@ -152,6 +211,9 @@ class TextFormat:
 
     delta = choice
 
+    def deltas(self, text: str, logprobs: list[TokenLogprob] | None, finish_reason: str | None) -> list[dict]:
+        return [self.choice(text, logprobs, finish_reason)] if text or logprobs or finish_reason else []
+
     def logprobs(self, tokens: list[TokenLogprob] | None) -> dict | None:
         if tokens is None:
             return None
@@ -188,9 +250,38 @@ async def chat_completions(request: Request) -> Response:
     models: ServedModels = request.app.state.models
     await models.require(body.model)
     messages = [m.template_message() for m in body.messages]
-    await models.check_prompt_size(body.model, sum(len(m["content"].encode()) for m in messages), "messages")
-    prompt = await models.chat_prompt(body.model, messages)
-    return await complete(request, body, prompt, ChatFormat, top_logprobs=body.top_logprobs or 0)
+    tools = body.template_tools()
+    family = None
+    if tools:
+        family = await models.tool_family(body.model, parsed=body.calls_tools and not body.constraining_tools)
+    size = sum(len(m["content"].encode()) for m in messages) + len(json.dumps(tools or []).encode())
+    size += sum(len(c.function.arguments.encode()) for m in body.messages for c in m.tool_calls or ())
+    await models.check_prompt_size(body.model, size, "messages")
+    prompt = await models.chat_prompt(body.model, messages, tools)
+    sampling = body.sampling_parameters()
+    if family is not None and family.special_tokens and body.calls_tools and not body.constraining_tools:
+        sampling.setdefault("skip_special_tokens", False)  # the family's syntax is special tokens
+    call_id = family.call_id if family is not None else openai_call_id
+    return await complete(
+        request,
+        body,
+        prompt,
+        lambda index: ChatFormat(index, tool_output(body, family), call_id),
+        top_logprobs=body.top_logprobs or 0,
+        sampling=sampling,
+    )
+
+
+def tool_output(body: ChatCompletionRequest, family: ToolFamily | None) -> ToolOutput | None:
+    """How a choice's tool calls are read off its output (None: the output is content only)."""
+    if not body.calls_tools:
+        return None
+    if isinstance(body.tool_choice, NamedToolChoice):
+        return NamedCall(body.tool_choice.function.name)
+    if body.tool_choice == "required":
+        return RequiredCalls()
+    assert family is not None  # tool_family refuses a model without a parser
+    return ParsedCalls(family, parallel=body.parallel_tool_calls is not False)
 
 
 async def completions(request: Request) -> Response:
@@ -223,13 +314,16 @@ async def complete(
     top_logprobs: int,
     echo: str = "",
     first_token: str | None = None,
+    sampling: dict[str, Any] | None = None,
 ) -> Response:
     """One Triton request for `prompt`, answered whole or as server-sent events, a choice per
     sample (`n`; form(i) writes choice i). With first_token (the prompt's first token's text), the
-    prompt's tokens and logprobs lead each choice's."""
+    prompt's tokens and logprobs lead each choice's. sampling: the sampling_parameters to send
+    (default: the body's)."""
     forms = [form(index) for index in range(body.n or 1)]
     request_id = f"{forms[0].id_prefix}-{uuid.uuid4().hex}"
-    tensors = inputs(prompt, body.sampling_parameters(), stream=body.stream, logprobs=body.wants_logprobs)
+    sampling = body.sampling_parameters() if sampling is None else sampling
+    tensors = inputs(prompt, sampling, stream=body.stream, logprobs=body.wants_logprobs)
     triton: Triton = request.app.state.triton
     responses = triton.generate(body.model, tensors, request_id, top_logprobs)
     header = {"id": request_id, "created": int(time.time()), "model": body.model}
@@ -305,8 +399,8 @@ async def stream(
                 finish = None
                 if not ended[index] and (piece.final or piece.finish_reason):
                     finish, ended[index] = piece.finish_reason or "stop", True
-                if text or piece.logprobs or finish or (isinstance(form, ChatFormat) and not form.started):
-                    yield event([form.delta(text, piece.logprobs, finish)])
+                for choice in form.deltas(text, piece.logprobs, finish):
+                    yield event([choice])
             if pieces[0].final:
                 break
             pieces = await disconnect.race(anext(responses))

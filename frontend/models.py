@@ -12,11 +12,12 @@ import asyncio
 from collections.abc import Sequence
 from typing import Any
 
-from lookahead.models.chat import chat_prompt
+from lookahead.models.chat import chat_prompt, renders_tools, template_source
 from lookahead.models.loading import load_tokenizer
 from lookahead.models.prompt_bytes import prompt_byte_limit
 
 from .errors import APIError, model_not_found, unavailable
+from .tool_calls import ToolFamily, family_for_template
 from .triton import Triton
 
 
@@ -25,7 +26,7 @@ class ServedModels:
         self.triton = triton
         self.tokenizer_override = tokenizer
         self.tokenizers: dict[str, Any] = {}  # served model (name or folder) -> its tokenizer
-        self.bounds: dict[str, tuple[int, int]] = {}  # model -> prompt_bound(model)
+        self.bounds: dict[str, tuple[int, int] | None] = {}  # model -> prompt_bound(model)
         self.loading = asyncio.Lock()
 
     async def names(self) -> list[str]:
@@ -40,11 +41,30 @@ class ServedModels:
             state = state.lower() or "unknown"
             raise unavailable(f"the model `{model}` is not ready ({state}); try again soon")
 
-    async def chat_prompt(self, model: str, messages: Sequence[dict[str, Any]]) -> str:
-        """The conversation in the chat format of what `model` serves, as the raw prompt to send
-        (the template runs on a worker thread)."""
+    async def chat_prompt(
+        self, model: str, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None
+    ) -> str:
+        """The conversation (and the tools' definitions) in the chat format of what `model`
+        serves, as the raw prompt to send (the template runs on a worker thread)."""
         tokenizer = await self.tokenizer(model)
-        return await asyncio.to_thread(_chat_prompt, tokenizer, messages)
+        return await asyncio.to_thread(_chat_prompt, tokenizer, messages, tools, model)
+
+    async def tool_family(self, model: str, *, parsed: bool) -> ToolFamily | None:
+        """The tool-call syntax of what `model` serves; 400 naming the model where its chat template
+        renders no tools, or (parsed: the output's calls are read in the model's own syntax) where
+        no family's parser knows its syntax."""
+        tokenizer = await self.tokenizer(model)
+        if not renders_tools(tokenizer):
+            raise APIError(400, f"tools: the chat template of model `{model}` has no tools", "tools")
+        family = family_for_template(template_source(tokenizer, tools=True))
+        if family is None and parsed:
+            raise APIError(
+                400,
+                f"tools: no tool-call parser knows the syntax of model `{model}`'s chat template "
+                "(tool_choice required or a named function still work)",
+                "tools",
+            )
+        return family
 
     async def first_token(self, model: str, prompt: str) -> str:
         """The text of the first token of `prompt` as the server tokenizes it (the prompt's logprobs
@@ -54,23 +74,28 @@ class ServedModels:
 
     async def check_prompt_size(self, model: str, size: int, param: str) -> None:
         """400 for a prompt of `size` UTF-8 bytes that the model's max_prompt_tokens cannot hold
-        (the bound its server checks before tokenizing), so that it is never tokenized here."""
-        most_tokens, most_bytes = await self.prompt_bound(model)
-        if size > most_bytes:
+        (the bound its server checks before tokenizing), so that it is never tokenized here. A
+        model whose bound follows its context length is bounded by the body's size here."""
+        bound = await self.prompt_bound(model)
+        if bound is not None and size > bound[1]:
             raise APIError(
                 400,
-                f"{param} has {size} bytes: more than max_prompt_tokens ({most_tokens}) tokens can hold "
-                f"on this model (at most {most_bytes} bytes)",
+                f"{param} has {size} bytes: more than max_prompt_tokens ({bound[0]}) tokens can hold "
+                f"on this model (at most {bound[1]} bytes)",
                 param,
             )
 
-    async def prompt_bound(self, model: str) -> tuple[int, int]:
-        """(max_prompt_tokens, the most UTF-8 bytes so many tokens can spell) of `model`."""
+    async def prompt_bound(self, model: str) -> tuple[int, int] | None:
+        """(max_prompt_tokens, the most UTF-8 bytes so many tokens can spell) of `model`; None
+        where its bound follows the model's context length."""
         if model not in self.bounds:
             most_tokens = await self.triton.max_prompt_tokens(model)
-            tokenizer = await self.tokenizer(model)
-            most_bytes = await asyncio.to_thread(prompt_byte_limit, tokenizer, most_tokens)
-            self.bounds[model] = most_tokens, most_bytes
+            if most_tokens is None:
+                self.bounds[model] = None
+            else:
+                tokenizer = await self.tokenizer(model)
+                most_bytes = await asyncio.to_thread(prompt_byte_limit, tokenizer, most_tokens)
+                self.bounds[model] = most_tokens, most_bytes
         return self.bounds[model]
 
     async def tokenizer(self, model: str) -> Any:
@@ -88,11 +113,25 @@ class ServedModels:
         return self.tokenizers[served]
 
 
-def _chat_prompt(tokenizer: Any, messages: Sequence[dict[str, Any]]) -> str:
+def _chat_prompt(
+    tokenizer: Any, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None, model: str
+) -> str:
     try:
-        return chat_prompt(tokenizer, messages)
+        return chat_prompt(tokenizer, messages, tools)
     except Exception as error:  # the template's own refusal (e.g. roles out of order)
+        if tools and _renders(tokenizer, messages):
+            message = f"tools: the chat template of model `{model}` cannot render them: {str(error)[:500]}"
+            raise APIError(400, message, "tools") from None
         raise APIError(400, f"messages: {str(error)[:500]}", "messages") from None
+
+
+def _renders(tokenizer: Any, messages: Sequence[dict[str, Any]]) -> bool:
+    """The conversation renders without tools (so that it is the tools that a template refused)."""
+    try:
+        chat_prompt(tokenizer, messages)
+    except Exception:
+        return False
+    return True
 
 
 def _load_tokenizer(served: str) -> Any:

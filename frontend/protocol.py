@@ -1,13 +1,16 @@
 """OpenAI's request bodies as far as this server honours them, and their `sampling_parameters`.
 
-A field OpenAI defines that changes nothing here is accepted; one this server cannot honour (tools,
-audio ...) and any unknown field are refused by name, as OpenAI refuses unknown
-arguments. Beside OpenAI's fields, a body (the SDK's `extra_body`) may carry vLLM's extra sampling
-keys and the lookahead overrides; the server checks their values.
+A field OpenAI defines that changes nothing here is accepted; one this server cannot honour (audio,
+the deprecated functions ...) and any unknown field are refused by name, as OpenAI refuses unknown
+arguments. Tools come as OpenAI defines them: function definitions, tool_choice, the assistant's
+tool_calls and the tool role's results, which the model's chat template renders. Beside OpenAI's
+fields, a body (the SDK's `extra_body`) may carry vLLM's extra sampling keys and the lookahead
+overrides; the server checks their values.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -145,10 +148,68 @@ def structured_outputs(response_format: ResponseFormat) -> dict[str, Any]:
     return {"json": response_format.json_schema["schema"]}
 
 
+FUNCTION_NAME = r"^[a-zA-Z0-9_-]{1,64}$"  # OpenAI's rule for a function's name
+
+
+class FunctionDefinition(_Body):
+    name: str = Field(pattern=FUNCTION_NAME)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; none: no arguments
+    strict: bool | None = None  # the arguments match the schema: always so where tool_choice constrains
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+    def template_tool(self) -> dict[str, Any]:
+        """The definition as chat templates read it (OpenAI's shape, the schema always present)."""
+        function = self.function.model_dump(exclude_none=True, exclude={"strict"})
+        function.setdefault("parameters", {"type": "object", "properties": {}})
+        return {"type": "function", "function": function}
+
+
+class FunctionName(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class CalledFunction(_Body):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class AssistantToolCall(_Body):
+    id: str
+    type: Literal["function"]
+    function: CalledFunction
+
+    def template_call(self) -> dict[str, Any]:
+        """The call as chat templates read it: the arguments as an object where they are JSON (the
+        templates write them out with tojson), else as the text sent."""
+        try:
+            arguments = json.loads(self.function.arguments)
+        except ValueError:
+            arguments = self.function.arguments
+        function = {"name": self.function.name, "arguments": arguments}
+        return {"id": self.id, "type": "function", "function": function}
+
+
 class Message(_Body):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[AssistantToolCall] | None = None  # the assistant's
+    tool_call_id: str | None = None  # a tool's result: the call it answers
+    # what an assistant message copied from a response carries, accepted where it says nothing
+    refusal: None = None
+    function_call: None = None
+    audio: None = None
+    annotations: Annotated[list[Any], Field(max_length=0)] | None = None
 
     @field_validator("content")
     @classmethod
@@ -158,6 +219,14 @@ class Message(_Body):
                 raise ValueError(f"only text parts are supported, got a part of type {part.get('type')!r}")
         return content
 
+    @model_validator(mode="after")
+    def _tool_fields(self) -> Message:
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError(f"tool_calls: only assistant messages make tool calls, not {self.role}")
+        if (self.role == "tool") != (self.tool_call_id is not None):
+            raise ValueError("tool_call_id: a tool message needs one, and only a tool message has one")
+        return self
+
     def template_message(self) -> dict[str, Any]:
         """The message as chat templates read it: the text parts joined, `developer` as `system`."""
         content = self.content
@@ -166,6 +235,10 @@ class Message(_Body):
         message = {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
         if self.name is not None:
             message["name"] = self.name
+        if self.tool_calls:
+            message["tool_calls"] = [call.template_call() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
         return message
 
 
@@ -174,18 +247,76 @@ class ChatCompletionRequest(_Request):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    # accepted at the value that changes nothing
-    tool_choice: Literal["none"] | None = None
-    tools: list[Any] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # accepted at the value that changes nothing
     store: Literal[False] | None = None
 
     @field_validator("tools")
     @classmethod
-    def _no_tools(cls, tools: list[Any] | None) -> list[Any] | None:
-        if tools:
-            raise ValueError("tools (function calling) are not supported by this server")
+    def _distinct_names(cls, tools: list[Tool] | None) -> list[Tool] | None:
+        names = [tool.function.name for tool in tools or ()]
+        if len(set(names)) != len(names):
+            raise ValueError("two tools have the same name")
         return tools
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _choice_fits_tools(cls, choice: Any, info: Any) -> Any:
+        tools = info.data.get("tools") or []
+        if choice not in (None, "none") and not tools:
+            raise ValueError("a tool_choice other than none needs tools")
+        names = [tool.function.name for tool in tools]
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise ValueError(f"the function {choice.function.name!r} is not among the tools")
+        response_format = info.data.get("response_format")
+        constrains = choice == "required" or isinstance(choice, NamedToolChoice)
+        if constrains and response_format is not None and response_format.type != "text":
+            raise ValueError("response_format and tool_choice both constrain the output: send one")
+        return choice
+
+    @property
+    def tool_names(self) -> list[str]:
+        return [tool.function.name for tool in self.tools or ()]
+
+    @property
+    def calls_tools(self) -> bool:
+        """The output may hold tool calls: tools are given, and tool_choice is not none."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    @property
+    def constraining_tools(self) -> bool:
+        """tool_choice required or named: the output is constrained to calls."""
+        return self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice)
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        return [tool.template_tool() for tool in self.tools] if self.tools else None
+
+    def tool_constraint(self) -> dict[str, Any] | None:
+        """vLLM's structured_outputs for tool_choice required or named (as vLLM constrains them):
+        a named function's output is its arguments, matching its parameters' schema; required's
+        is a JSON list of {"name", "parameters"} calls (one, where parallel_tool_calls is false)."""
+        if not self.constraining_tools:
+            return None
+        schemas = {
+            tool.function.name: tool.template_tool()["function"]["parameters"] for tool in self.tools or ()
+        }
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return {"json": schemas[self.tool_choice.function.name]}
+        calls = [
+            {
+                "type": "object",
+                "properties": {"name": {"type": "string", "enum": [name]}, "parameters": schema},
+                "required": ["name", "parameters"],
+                "additionalProperties": False,
+            }
+            for name, schema in schemas.items()
+        ]
+        listed: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+        if self.parallel_tool_calls is False:
+            listed["maxItems"] = 1
+        return {"json": listed}
 
     @field_validator("top_logprobs")
     @classmethod
@@ -201,6 +332,9 @@ class ChatCompletionRequest(_Request):
         sampling = super().sampling_parameters()
         if self.logprobs:
             sampling["logprobs"] = self.top_logprobs or 0
+        constraint = self.tool_constraint()
+        if constraint is not None:
+            sampling["structured_outputs"] = constraint
         return sampling
 
     @property

@@ -21,7 +21,7 @@ import numpy as np
 import tritonclient.grpc.aio as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from lookahead.contract import ADMIN_KEY_ENV, ADMIN_KEY_HEADER, DEFAULT_MAX_PROMPT_TOKENS, MODEL_ENV
+from lookahead.contract import ADMIN_KEY_ENV, ADMIN_KEY_HEADER, MODEL_ENV
 
 from .errors import APIError, from_triton, unavailable
 
@@ -185,11 +185,12 @@ class Triton:
         value = (await self._parameters(model)).get("model", {}).get("string_value", "")
         return value or None
 
-    async def max_prompt_tokens(self, model: str) -> int:
-        """The model's max_prompt_tokens (its config.pbtxt parameter, else the default)."""
+    async def max_prompt_tokens(self, model: str) -> int | None:
+        """The model's max_prompt_tokens (its config.pbtxt parameter); None where it follows the
+        model's context length (0 or left out), which only the server knows."""
         parameters = await self._parameters(model)
         value = parameters.get("max_prompt_tokens", {}).get("string_value", "").strip()
-        return int(value) if value.isdigit() and int(value) > 0 else DEFAULT_MAX_PROMPT_TOKENS
+        return int(value) if value.isdigit() and int(value) > 0 else None
 
     async def _parameters(self, model: str) -> dict[str, Any]:
         try:

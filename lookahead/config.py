@@ -357,7 +357,7 @@ class DecoderConfig:
 
     step_token_budget: int = 128
     max_speculative_batch: int = 0
-    prefix_cache_tokens: int = 8192
+    prefix_cache_tokens: int = 32768
     kv_cache_bytes: int = 2 * 1024**3
     grammar_compile_timeout_s: float = 10.0
     grammar_max_bytes: int = 65536

@@ -48,7 +48,7 @@ LOOKAHEAD_OVERRIDES = (
 )
 # Streaming: a step's accepted tokens in one response each (the config.pbtxt parameter's override).
 STREAM_EACH_TOKEN = "stream_each_token"
-# the max_prompt_tokens parameter where config.pbtxt leaves it out (the endpoint checks prompts by it)
+# the prompt bound where max_prompt_tokens is 0 and the model has neither a context length nor a KV bound
 DEFAULT_MAX_PROMPT_TOKENS = 4096
 REQUEST_KEYS = (*SAMPLING_KEYS, STRUCTURED_OUTPUTS, *LOOKAHEAD_OVERRIDES, STREAM_EACH_TOKEN)
 # The outputs `return_perf_metrics` adds to a final response.

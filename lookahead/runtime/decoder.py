@@ -309,6 +309,20 @@ class LookaheadDecoder:
         """The most KV entries a request can hold: its prompt, its output and one step's draft."""
         return prompt_length + params.max_tokens + lookahead.decoding_length
 
+    def longest_prompt(self, lookahead: LookaheadConfig) -> int | None:
+        """The longest prompt this decoder can serve (with one output token): within the model's
+        context length and what kv_cache_bytes holds for one request; None where neither bounds it."""
+        params = SamplingParams(max_tokens=1)
+        bound = self.context_length - 1 if self.context_length is not None else None
+        if not self.kv_cache_bytes:
+            return bound
+        low, high = 0, bound if bound is not None else 1 << 24
+        while low < high:  # the largest prompt whose KV fits (kv_bytes grows with the length)
+            middle = (low + high + 1) // 2
+            needed = self.runner.kv_bytes([self.longest(middle, params, lookahead)])
+            low, high = (middle, high) if needed <= self.kv_cache_bytes else (low, middle - 1)
+        return low
+
     def fits(self, longest: Sequence[int]) -> bool:
         """Whether requests holding at most these many entries each fit within kv_cache_bytes."""
         return self.runner.fits(longest)

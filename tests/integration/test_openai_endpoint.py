@@ -282,7 +282,7 @@ def test_refusals_name_the_field(client):
     unknown = refused(openai.NotFoundError, model="gpt-4o")
     assert unknown.body["code"] == "model_not_found" and "gpt-4o" in unknown.body["message"]
     tools = refused(openai.BadRequestError, tools=[{"type": "function", "function": {"name": "f"}}])
-    assert tools.body["param"] == "tools"
+    assert tools.body["param"] == "tools" and "model `lookahead` has no tools" in tools.body["message"]
     unknown_field = refused(openai.BadRequestError, extra_body={"best_of_luck": 1})
     assert unknown_field.body["param"] == "best_of_luck"
     # refused by the server (INVALID_ARG), streaming or not: a 400 before any event

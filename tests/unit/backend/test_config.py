@@ -116,7 +116,7 @@ def test_gpu_instances_default_to_their_device(tmp_path):
         ("linear_kernel", "fast", "expected one of auto, integer, packed, stock, got 'fast'"),
         ("device", "tpu", "expected cpu, cuda or cuda:<index>, got 'tpu'"),
         ("device", "cpu:0", "expected cpu, cuda or cuda:<index>"),
-        ("max_prompt_tokens", "0", "must be >= 1"),
+        ("max_prompt_tokens", "-1", "must be >= 0, got -1"),
         ("max_output_tokens", "1.5", "expected an integer, got '1.5'"),
         ("prefix_cache_tokens", "-1", "must be >= 0, got -1"),
     ],

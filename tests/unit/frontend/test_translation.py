@@ -118,11 +118,96 @@ def test_chat_messages_reach_the_template_as_text():
     ]
 
 
+TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather now",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+CALL = {
+    "id": "call_1",
+    "type": "function",
+    "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'},
+}
+
+
+def test_tools_and_the_conversation_reach_the_template_as_templates_read_them():
+    body = chat(
+        tools=[TOOL, {"type": "function", "function": {"name": "now", "strict": True}}],
+        messages=[
+            *USER,
+            {"role": "assistant", "content": None, "tool_calls": [CALL], "refusal": None},
+            {"role": "tool", "tool_call_id": "call_1", "content": [{"type": "text", "text": "sunny"}]},
+        ],
+    )
+    assert body.template_tools() == [
+        TOOL,
+        {"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {}}}},
+    ]
+    assert [m.template_message() for m in body.messages][1:] == [
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": {"city": "Oslo"}},
+                }
+            ],
+        },
+        {"role": "tool", "content": "sunny", "tool_call_id": "call_1"},
+    ]
+    assert "structured_outputs" not in body.sampling_parameters()  # auto: the model's own syntax, parsed
+
+
+def test_a_named_or_required_tool_choice_constrains_the_output():
+    named = chat(tools=[TOOL], tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    assert named.sampling_parameters()["structured_outputs"] == {"json": TOOL["function"]["parameters"]}
+    required = chat(tools=[TOOL], tool_choice="required", parallel_tool_calls=False)
+    listed = required.sampling_parameters()["structured_outputs"]["json"]
+    assert listed["type"] == "array" and listed["minItems"] == 1 and listed["maxItems"] == 1
+    call = listed["items"]["anyOf"][0]
+    assert call["properties"]["name"] == {"type": "string", "enum": ["get_weather"]}
+    assert call["properties"]["parameters"] == TOOL["function"]["parameters"]
+    assert not chat(tools=[TOOL], tool_choice="none").calls_tools
+
+
 @pytest.mark.parametrize(
     ("schema", "body", "param", "words"),
     [
         (ChatCompletionRequest, {"n": 17}, "n", "less than or equal to 16"),
-        (ChatCompletionRequest, {"tools": [{"type": "function"}]}, "tools", "not supported"),
+        (ChatCompletionRequest, {"tools": [{"type": "function"}]}, "tools.0.function", "Field required"),
+        (
+            ChatCompletionRequest,
+            {"tools": [{"type": "function", "function": {"name": "get weather"}}]},
+            "tools.0.function.name",
+            "should match pattern",
+        ),
+        (
+            ChatCompletionRequest,
+            {"tools": [{"type": "function", "function": {"name": "f", "parameters": "x"}}]},
+            "tools.0.function.parameters",
+            "valid dictionary",
+        ),
+        (ChatCompletionRequest, {"tools": [TOOL, TOOL]}, "tools", "same name"),
+        (ChatCompletionRequest, {"tool_choice": "auto"}, "tool_choice", "needs tools"),
+        (ChatCompletionRequest, {"tool_choice": "any", "tools": [TOOL]}, "tool_choice", ""),
+        (
+            ChatCompletionRequest,
+            {"tool_choice": {"type": "function", "function": {"name": "g"}}, "tools": [TOOL]},
+            "tool_choice",
+            "'g' is not among the tools",
+        ),
+        (
+            ChatCompletionRequest,
+            {"tool_choice": "required", "tools": [TOOL], "response_format": {"type": "json_object"}},
+            "tool_choice",
+            "both constrain",
+        ),
+        (ChatCompletionRequest, {"functions": [TOOL["function"]]}, "functions", "not supported"),
         (ChatCompletionRequest, {"audio": {"voice": "x"}}, "audio", "not supported"),
         (ChatCompletionRequest, {"top_logprobs": 2}, "top_logprobs", "needs logprobs"),
         (
@@ -139,7 +224,19 @@ def test_chat_messages_reach_the_template_as_text():
             "messages.0.content",
             "only text parts",
         ),
-        (ChatCompletionRequest, {"messages": [{"role": "tool", "content": "x"}]}, "messages.0.role", "user"),
+        (
+            ChatCompletionRequest,
+            {"messages": [{"role": "tool", "content": "x"}]},
+            "messages.0",
+            "tool_call_id",
+        ),
+        (ChatCompletionRequest, {"messages": [{"role": "robot", "content": "x"}]}, "messages.0.role", "user"),
+        (
+            ChatCompletionRequest,
+            {"messages": [{"role": "user", "content": "x", "tool_calls": [CALL]}]},
+            "messages.0",
+            "only assistant messages",
+        ),
         (CompletionRequest, {"prompt": ["a", "b"]}, "prompt", ""),
         (CompletionRequest, {"prompt": "a", "best_of": 0}, "best_of", "greater than or equal to 1"),
     ],

@@ -406,3 +406,17 @@ def test_a_request_past_kv_cache_bytes_fails_alone_before_anything_is_allocated(
     while not short.finished:
         ids += decoder.step([short])[0].token_ids
     assert ids == plain_greedy(model, [1, 2, 3], 20)
+
+
+def test_the_longest_prompt_follows_the_context_length_within_kv_cache_bytes(tiny_model, byte_tokenizer):
+    model = tiny_model("llama")
+    lookahead = LookaheadConfig()
+    unbounded = LookaheadDecoder(model, byte_tokenizer, kv_cache_bytes=0)
+    assert unbounded.longest_prompt(lookahead) == model.config.max_position_embeddings - 1
+    slot = 256 * (unbounded.kv_bytes_per_token + 2 * 16 * 4)  # one slot of 256 entries (see above)
+    bounded = LookaheadDecoder(model, byte_tokenizer, kv_cache_bytes=slot)
+    longest = bounded.longest_prompt(lookahead)
+    assert longest == 256 - 1 - lookahead.decoding_length  # the prompt, one output token, one draft
+    bounded.check_request(longest, SamplingParams(max_tokens=1), lookahead)
+    with pytest.raises(ValueError, match="kv_cache_bytes"):
+        bounded.check_request(longest + 1, SamplingParams(max_tokens=1), lookahead)
