@@ -307,11 +307,11 @@ class TritonPythonModel:
         folder its launcher (gone too, or it would have drained us) leaves behind, and the
         shared-memory region the server would have removed."""
         remove_region(stub_shm_region())
+        if self.drain_watch is not None:  # first: the deadline may end the process mid-stop
+            self.drain_watch.leave()
         self.grammar_stage.close(SHUTDOWN_MESSAGE)
         self.engine.unload()
         self.engine.stop(timeout_s=ORPHAN_STOP_S)
-        if self.drain_watch is not None:
-            self.drain_watch.leave()
 
     def _drain(self) -> None:
         """The launcher stops the server: end every request with a final response and save the
