@@ -89,7 +89,7 @@ def test_the_wheel_installs_and_decodes_outside_the_checkout(tmp_path: Path) -> 
     )
     assert result["lookahead"] == result["plain"] and result["accepted"] > 0
     if runnable_variants():  # built at first use, from the installed sources, into the user's cache
-        assert result["kernel"] == "packed"
+        assert result["kernel"] == "integer"
         assert result["kernels_dir"] == str(tmp_path / "cache" / "lookahead" / "kernels")
         assert result["built"] == [f"lookahead_cpu_{runnable_variants()[0].name}.so"]
     else:

@@ -187,7 +187,8 @@ def test_auto_packs_every_linear_layer_on_the_chosen_variant(
 ) -> None:
     monkeypatch.setenv(VARIANT_ENV, variant.name)
     model = tiny_model("qwen2")  # attention projections with biases
-    assert apply_execution_path(model, "auto")[:2] == ("packed", f"packed {variant.name} kernel, lean layers")
+    expected = ("integer", f"integer {variant.name} kernel (int8 activations), fused layers")
+    assert apply_execution_path(model, "auto")[:2] == expected
     linears = [module for module in model.modules() if isinstance(module, nn.Linear)]
     assert linears == []
     assert sum(isinstance(module, PackedLinear) for module in model.modules()) == 2 * 7 + 1
