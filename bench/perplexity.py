@@ -45,22 +45,15 @@ def held_out_text() -> str:
 
 def negative_log_likelihoods(runner: ModelRunner, ids: list[int], chunk: int) -> list[float]:
     """-log p(ids[i + 1] | ids[: i + 1]) for every i, the text fed `chunk` tokens a forward."""
-    owner = object()
-    if runner.pool.layout is None:
-        runner.pool.layout = runner.kv_layout
-    slot = runner.pool.admit(owner)
     losses: list[float] = []
-    try:
-        with torch.inference_mode():
-            for start in range(0, len(ids) - 1, chunk):
-                tokens = ids[start : start + chunk]
-                chain = Draft(tokens, [-1, *range(len(tokens) - 1)])
-                logits = runner.forward_drafts([chain], [start], [slot])[0].float()
-                targets = torch.tensor(ids[start + 1 : start + 1 + len(tokens)])
-                rows = logits[: len(targets)]
-                losses += torch.nn.functional.cross_entropy(rows, targets, reduction="none").tolist()
-    finally:
-        runner.pool.release(owner)
+    with runner.scratch_slot() as slot, torch.inference_mode():
+        for start in range(0, len(ids) - 1, chunk):
+            tokens = ids[start : start + chunk]
+            chain = Draft(tokens, [-1, *range(len(tokens) - 1)])
+            logits = runner.forward_drafts([chain], [start], [slot])[0].float()
+            targets = torch.tensor(ids[start + 1 : start + 1 + len(tokens)])
+            rows = logits[: len(targets)]
+            losses += torch.nn.functional.cross_entropy(rows, targets, reduction="none").tolist()
     return losses
 
 

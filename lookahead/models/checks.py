@@ -81,17 +81,10 @@ def _quantises_activations(model: Any) -> bool:
 def _pool_logits(runner: ModelRunner, prompt: list[int], drafts: list[Draft]) -> list[torch.Tensor]:
     """The logits of each draft, fed one forward each after `prompt` (and the drafts before it, as
     plain decoding commits them) in a fresh slot of the runner's pool."""
-    owner = object()
-    if runner.pool.layout is None:
-        runner.pool.layout = runner.kv_layout
-    slot = runner.pool.admit(owner)
-    try:
-        chain = Draft(prompt, [-1, *range(len(prompt) - 1)])
-        runner.forward_drafts([chain], [0], [slot])
+    with runner.scratch_slot() as slot:
+        runner.forward_drafts([Draft(prompt, [-1, *range(len(prompt) - 1)])], [0], [slot])
         length, logits = len(prompt), []
         for draft in drafts:
             logits.append(runner.forward_drafts([draft], [length], [slot])[0])
             length += 1
         return logits
-    finally:
-        runner.pool.release(owner)

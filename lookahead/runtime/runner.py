@@ -10,7 +10,8 @@ is admitted, holding whatever prefix of its prompt the prefix cache has.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,7 +34,7 @@ PROBE_WIDEST = 128
 
 
 class _Probe:
-    """The owner of the pool slot `time_widths` feeds (the pool reads only its `ids`)."""
+    """The owner of a pool slot fed outside any request (the pool reads only its `ids`)."""
 
     def __init__(self, length: int):
         self.ids = [0] * length
@@ -242,6 +243,19 @@ class ModelRunner:
         return [by_gen[id(work.gen)] for work in works]
 
     @torch.inference_mode()
+    @contextmanager
+    def scratch_slot(self) -> Iterator[int]:
+        """A pool slot for forwards outside any request (load-time checks, benchmarks), given back
+        afterwards; feed it with forward_drafts."""
+        owner = _Probe(0)
+        if self.pool.layout is None:
+            self.pool.layout = self.kv_layout
+        slot = self.pool.admit(owner, used=self.held_entries())
+        try:
+            yield slot
+        finally:
+            self.pool.release(owner)
+
     def time_widths(self, budget_s: float) -> dict[int, float]:
         """Seconds of this model's verification forward feeding q = 1, 2, 4, ... draft rows after
         PROBE_CONTEXT cached entries, the way a step feeds them (one ragged segment, the output
