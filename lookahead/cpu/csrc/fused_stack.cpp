@@ -103,75 +103,180 @@ std::vector<Visibility> visible_entries(const std::vector<RowPlan>& rows) {
   return visible;
 }
 
-// Rows of one slot that attend together (a segment's tree, or a chunk of it), for one query head.
+// Rows of one slot and query heads of one key/value head that attend together: the unit reads
+// its entries' keys and values once for all of its queries (a row and a head each).
 struct AttentionUnit {
-  int64_t first_row, rows, head;
+  int64_t first_row, rows, first_head, heads;
 };
-constexpr int64_t kRowsPerUnit = 8;
+constexpr int64_t kQueriesPerUnit = 32;
 
-std::vector<AttentionUnit> attention_units(const std::vector<RowPlan>& rows, int64_t heads) {
-  std::vector<AttentionUnit> units;
-  for (size_t r = 0; r < rows.size();) {
-    size_t end = r + 1;
-    while (end < rows.size() && rows[end].slot == rows[r].slot && static_cast<int64_t>(end - r) < kRowsPerUnit) ++end;
-    for (int64_t head = 0; head < heads; ++head) units.push_back({static_cast<int64_t>(r), static_cast<int64_t>(end - r), head});
-    r = end;
+// As few units as keep every thread busy: rows of a slot in chunks of up to 8 (fewer where the key
+// groups hold many heads), halved while there are fewer than two units a thread, then one head a
+// unit if still too few.
+std::vector<AttentionUnit> attention_units(const std::vector<RowPlan>& rows, int64_t heads, int64_t kv_heads,
+                                           int64_t threads) {
+  const int64_t group = heads / kv_heads;
+  int64_t chunk = std::clamp<int64_t>(kQueriesPerUnit / group, 1, 8);
+  std::vector<std::pair<int64_t, int64_t>> chunks;
+  while (true) {
+    chunks.clear();
+    for (size_t r = 0; r < rows.size();) {
+      size_t end = r + 1;
+      while (end < rows.size() && rows[end].slot == rows[r].slot && static_cast<int64_t>(end - r) < chunk) ++end;
+      chunks.emplace_back(static_cast<int64_t>(r), static_cast<int64_t>(end - r));
+      r = end;
+    }
+    if (chunk == 1 || static_cast<int64_t>(chunks.size()) * kv_heads >= 2 * threads) break;
+    chunk = (chunk + 1) / 2;
   }
+  const int64_t heads_per_unit =
+      static_cast<int64_t>(chunks.size()) * kv_heads >= 2 * threads ? std::min(group, kQueriesPerUnit) : 1;
+  // Key/value head by key/value head, so that a thread's consecutive units share their entries.
+  std::vector<AttentionUnit> units;
+  for (int64_t head = 0; head < heads; head += heads_per_unit)
+    for (const auto& [first, count] : chunks)
+      units.push_back({first, count, head, std::min(heads_per_unit, (head / group + 1) * group - head)});
   return units;
 }
 
-inline float dot(const float* a, const float* b, int64_t dim) {
-  F32x16 acc = F32x16::mul(F32x16::load(a), F32x16::load(b));
-  for (int64_t d = kLanes; d < dim; d += kLanes) acc = F32x16::fmadd(F32x16::load(a + d), F32x16::load(b + d), acc);
-  return reduce_add(acc);
+// Up to 16 scores of one query against keys[0..n): lane k is the dot product of the query with
+// keys[k] (a product per lane, then multiply-adds along the head, then reduce_add's tree), zero
+// from lane n on. A score's bits depend on its query and key alone, not on the keys beside it.
+// C: the head's 16-lane chunks when known at compile time (0: `chunks` at run time).
+template <int C>
+F32x16 dots16(const float* query, const float* const* keys, int64_t n, int64_t chunks) {
+  if constexpr (C > 0) chunks = C;
+  F32x16 partials[kLanes];
+#pragma GCC unroll 16
+  for (int64_t k = 0; k < kLanes; ++k) {
+    if (k >= n) {
+      partials[k] = F32x16::zero();
+      continue;
+    }
+    F32x16 acc = F32x16::mul(F32x16::load(query), F32x16::load(keys[k]));
+#pragma GCC unroll 8
+    for (int64_t c = 1; c < chunks; ++c)
+      acc = F32x16::fmadd(F32x16::load(query + c * kLanes), F32x16::load(keys[k] + c * kLanes), acc);
+    partials[k] = acc;
+  }
+  return reduce_add16(partials);
 }
 
-// One query head of a unit's rows over the entries each sees: softmax(q . k * scaling) . v. The
-// entries every row of the unit sees first (the shared history) are read once for all of them;
-// each row still visits its own entries in pool order with the same operations as alone, so its
-// result does not depend on which rows share the unit.
-void attend(const AttentionUnit& unit, const float* queries, int64_t query_stride, const float* keys,
-            const float* values, const std::vector<Visibility>& visible, int64_t dim, float scaling,
-            std::vector<float> (&scores)[kRowsPerUnit], float* out, int64_t out_stride) {
-  const int64_t R = unit.rows;
-  const Visibility* seen[kRowsPerUnit];
+// A unit's queries over the entries each sees: softmax(q . k * scaling) . v. The entries every row
+// of the unit sees first (the shared history) are read once for all of its queries; each query
+// still visits its own entries in pool order with the same operations as alone, so its result
+// does not depend on which queries share the unit. Entry i of a row's list always takes the same
+// lane of the softmax's sum (i mod 16), so the same token at the same place in its history gets
+// the same bits in a tree and in plain decoding.
+template <int C>
+void attend(const AttentionUnit& unit, const float* qkv, int64_t qkv_width, const float* keys, const float* values,
+            const std::vector<Visibility>& visible, int64_t dim, float scaling,
+            std::vector<float> (&scores)[kQueriesPerUnit], float* out, int64_t out_stride) {
+  const int64_t chunks = C > 0 ? C : dim / kLanes;
+  const int64_t Q = unit.rows * unit.heads;
+  const Visibility* seen[kQueriesPerUnit];
+  const float* query[kQueriesPerUnit];
+  float* result[kQueriesPerUnit];
   int64_t shared = std::numeric_limits<int64_t>::max();
-  for (int64_t r = 0; r < R; ++r) {
-    seen[r] = &visible[unit.first_row + r];
-    shared = std::min(shared, seen[r]->prefix);
-    scores[r].resize(seen[r]->entries.size() + kLanes);
+  for (int64_t i = 0; i < Q; ++i) {
+    const int64_t row = unit.first_row + i / unit.heads, head = unit.first_head + i % unit.heads;
+    seen[i] = &visible[row];
+    query[i] = qkv + row * qkv_width + head * dim;
+    result[i] = out + row * out_stride + head * dim;
+    shared = std::min(shared, seen[i]->prefix);
+    scores[i].resize(seen[i]->entries.size() + kLanes);
   }
-  const float* query[kRowsPerUnit];
-  for (int64_t r = 0; r < R; ++r) query[r] = queries + (unit.first_row + r) * query_stride;
-  for (int64_t j = 0; j < shared; ++j)
-    for (int64_t r = 0; r < R; ++r) scores[r][j] = dot(query[r], keys + j * dim, dim) * scaling;
-  float total[kRowsPerUnit];
-  for (int64_t r = 0; r < R; ++r) {
-    const auto& entries = seen[r]->entries;
-    const int64_t count = static_cast<int64_t>(entries.size());
-    float* row = scores[r].data();
-    for (int64_t i = shared; i < count; ++i) row[i] = dot(query[r], keys + entries[i] * dim, dim) * scaling;
-    float best = -std::numeric_limits<float>::infinity();
-    for (int64_t i = 0; i < count; ++i) best = row[i] > best ? row[i] : best;
-    const F32x16 shift = F32x16::broadcast(best);
-    for (int64_t i = 0; i < count; i += kLanes) exp(F32x16::sub(F32x16::load(row + i), shift)).store(row + i);
-    total[r] = 0.0f;
-    for (int64_t i = 0; i < count; ++i) total[r] += row[i];
+  const F32x16 scale = F32x16::broadcast(scaling);
+  const float* block[kLanes];
+  for (int64_t j = 0; j < shared; j += kLanes) {
+    const int64_t n = std::min(kLanes, shared - j);
+    for (int64_t k = 0; k < n; ++k) block[k] = keys + (j + k) * dim;
+    for (int64_t i = 0; i < Q; ++i)
+      F32x16::mul(dots16<C>(query[i], block, n, chunks), scale).store(scores[i].data() + j);
   }
-  for (int64_t d = 0; d < dim; d += kLanes) {
-    F32x16 acc[kRowsPerUnit];
-    for (int64_t r = 0; r < R; ++r) acc[r] = F32x16::zero();
-    for (int64_t j = 0; j < shared; ++j) {
-      const F32x16 value = F32x16::load(values + j * dim + d);
-      for (int64_t r = 0; r < R; ++r) acc[r] = F32x16::fmadd(F32x16::broadcast(scores[r][j]), value, acc[r]);
+  float total[kQueriesPerUnit];
+  for (int64_t i = 0; i < Q; ++i) {
+    const auto& entries = seen[i]->entries;
+    const int64_t count = static_cast<int64_t>(entries.size()), padded = (count + kLanes - 1) / kLanes * kLanes;
+    float* row = scores[i].data();
+    for (int64_t e = shared; e < count; e += kLanes) {
+      const int64_t n = std::min(kLanes, count - e);
+      for (int64_t k = 0; k < n; ++k) block[k] = keys + entries[e + k] * dim;
+      F32x16::mul(dots16<C>(query[i], block, n, chunks), scale).store(row + e);
     }
-    for (int64_t r = 0; r < R; ++r) {
-      const auto& entries = seen[r]->entries;
+    std::fill(row + count, row + padded, -std::numeric_limits<float>::infinity());
+    F32x16 best = F32x16::broadcast(-std::numeric_limits<float>::infinity());
+    for (int64_t e = 0; e < padded; e += kLanes) best = F32x16::max(best, F32x16::load(row + e));
+    const F32x16 shift = F32x16::broadcast(reduce_max(best));
+    for (int64_t e = 0; e < padded; e += kLanes) exp(F32x16::sub(F32x16::load(row + e), shift)).store(row + e);
+    std::fill(row + count, row + padded, 0.0f);
+    F32x16 sum = F32x16::zero();
+    for (int64_t e = 0; e < padded; e += kLanes) sum = F32x16::add(sum, F32x16::load(row + e));
+    total[i] = reduce_add(sum);
+  }
+  // The weighted values: a multiply-add per entry in list order. Where C is known, T queries and
+  // every chunk of the head at once, over spans of shared entries whose values (16 KB) stay in L1
+  // while every group of queries reads them; else chunk by chunk.
+  constexpr int64_t T = C > 0 ? std::max<int64_t>(1, kAttentionAccumulators / C) : 1;
+  constexpr int64_t width = C > 0 ? C : 1;
+  constexpr int64_t span = 256 / width;
+  F32x16 sums[kQueriesPerUnit][width];
+  for (int64_t d0 = 0; d0 < chunks; d0 += width) {
+    for (int64_t i = 0; i < Q; ++i)
+      for (int64_t c = 0; c < width; ++c) sums[i][c] = F32x16::zero();
+    for (int64_t j0 = 0; j0 < shared; j0 += span) {
+      const int64_t j1 = std::min(shared, j0 + span);
+      for (int64_t first = 0; first < Q; first += T) {
+        const int64_t last = std::min(Q, first + T);
+        // A group short of T queries repeats its last one (results dropped), so that every loop
+        // here has a fixed count and the accumulators stay in registers.
+        const float* weights[T];
+        F32x16 acc[T][width];
+        for (int64_t t = 0; t < T; ++t) {
+          const int64_t i = std::min(first + t, last - 1);
+          weights[t] = scores[i].data();
+          for (int64_t c = 0; c < width; ++c) acc[t][c] = sums[i][c];
+        }
+        for (int64_t j = j0; j < j1; ++j) {
+          const float* value = values + j * dim + d0 * kLanes;
+#pragma GCC unroll 16
+          for (int64_t t = 0; t < T; ++t) {
+            const F32x16 p = F32x16::broadcast(weights[t][j]);
+#pragma GCC unroll 8
+            for (int64_t c = 0; c < width; ++c)
+              acc[t][c] = F32x16::fmadd(p, F32x16::load(value + c * kLanes), acc[t][c]);
+          }
+        }
+        for (int64_t i = first; i < last; ++i)
+          for (int64_t c = 0; c < width; ++c) sums[i][c] = acc[i - first][c];
+      }
+    }
+    for (int64_t i = 0; i < Q; ++i) {
+      const auto& entries = seen[i]->entries;
       const int64_t count = static_cast<int64_t>(entries.size());
-      for (int64_t i = shared; i < count; ++i)
-        acc[r] = F32x16::fmadd(F32x16::broadcast(scores[r][i]), F32x16::load(values + entries[i] * dim + d), acc[r]);
-      F32x16::div(acc[r], F32x16::broadcast(total[r])).store(out + (unit.first_row + r) * out_stride + d);
+      const F32x16 divisor = F32x16::broadcast(total[i]);
+      for (int64_t c = 0; c < width; ++c) {
+        F32x16 a = sums[i][c];
+        for (int64_t e = shared; e < count; ++e)
+          a = F32x16::fmadd(F32x16::broadcast(scores[i][e]), F32x16::load(values + entries[e] * dim + (d0 + c) * kLanes),
+                            a);
+        F32x16::div(a, divisor).store(result[i] + (d0 + c) * kLanes);
+      }
     }
+  }
+}
+
+// attend<C> for the head sizes met in practice (64, 128), with the loops along the head unrolled.
+void attend_any(const AttentionUnit& unit, const float* qkv, int64_t qkv_width, const float* keys,
+                const float* values, const std::vector<Visibility>& visible, int64_t dim, float scaling,
+                std::vector<float> (&scores)[kQueriesPerUnit], float* out, int64_t out_stride) {
+  switch (dim / kLanes) {
+    case 4:
+      return attend<4>(unit, qkv, qkv_width, keys, values, visible, dim, scaling, scores, out, out_stride);
+    case 8:
+      return attend<8>(unit, qkv, qkv_width, keys, values, visible, dim, scaling, scores, out, out_stride);
+    default:
+      return attend<0>(unit, qkv, qkv_width, keys, values, visible, dim, scaling, scores, out, out_stride);
   }
 }
 
@@ -293,14 +398,14 @@ torch::Tensor FusedStack::forward(const torch::Tensor& hidden, const torch::Tens
   const float* sin_data = sin.data_ptr<float>();
   const int threads = static_cast<int>(std::max<int64_t>(1, at::get_num_threads()));
   const std::vector<Visibility> visible = visible_entries(rows);
-  const std::vector<AttentionUnit> units = attention_units(rows, heads);
+  const std::vector<AttentionUnit> units = attention_units(rows, heads, kv_heads, threads);
 
 #pragma omp parallel num_threads(threads)
   {
     const int thread = omp_get_thread_num(), team = omp_get_num_threads();
     const auto [row_begin, row_end] = thread_share(M, thread, team);
     const auto [unit_begin, unit_end] = thread_share(static_cast<int64_t>(units.size()), thread, team);
-    std::vector<float> scores[kRowsPerUnit];
+    std::vector<float> scores[kQueriesPerUnit];
     // Thread 0's time in each step, and at the barriers (waiting for the others).
     const bool timing = profiling && thread == 0;
     auto last = Clock::now();
@@ -345,10 +450,10 @@ torch::Tensor FusedStack::forward(const torch::Tensor& hidden, const torch::Tens
       done(kRope);
       for (int64_t u = unit_begin; u < unit_end; ++u) {
         const AttentionUnit& unit = units[u];
-        const int64_t g = unit.head / (heads / kv_heads);
+        const int64_t g = unit.first_head / (heads / kv_heads);
         const int64_t slot_start = (rows[unit.first_row].slot * kv_heads + g) * capacity * D;
-        attend(unit, qkv.data() + unit.head * D, qkv_width, key_pool + slot_start, value_pool + slot_start, visible, D,
-               static_cast<float>(layer.scaling), scores, attended.data() + unit.head * D, heads * D);
+        attend_any(unit, qkv.data(), qkv_width, key_pool + slot_start, value_pool + slot_start, visible, D,
+               static_cast<float>(layer.scaling), scores, attended.data(), heads * D);
       }
       done(kAttention);
       quantise_rows(o_in, attended.data(), row_begin, row_end);

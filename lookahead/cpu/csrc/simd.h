@@ -83,6 +83,8 @@ constexpr int64_t kFewRows = 4, kWideBlocks = 4, kBlocks = 2, kMaxRows = 12;
 constexpr bool kScalesInRegisters = true;
 // From this many row tiles on, integer blocks are rebuilt once per group (packed_linear.cpp).
 constexpr int64_t kRebuildTiles = 8;
+// Attention's fp32 accumulators held in registers at once (fused_stack.cpp).
+constexpr int64_t kAttentionAccumulators = 16;
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 constexpr const char* kIntegerDot = "avx512-vnni";
@@ -207,6 +209,7 @@ constexpr const char* kInstructionSet = "avx2";
 constexpr int64_t kFewRows = 2, kWideBlocks = 2, kBlocks = 1, kMaxRows = 6;
 constexpr bool kScalesInRegisters = false;
 constexpr int64_t kRebuildTiles = 2;
+constexpr int64_t kAttentionAccumulators = 4;
 // Integer tiles (two int32 and two fp32 registers per row and block).
 constexpr int64_t kIntFewRows = 1, kIntWideBlocks = 2, kIntBlocks = 1, kIntMaxRows = 2;
 
@@ -307,6 +310,42 @@ inline float reduce_add(const F32x16& x) {
   const __m128 two = _mm_add_ps(four, _mm_movehl_ps(four, four));
   const __m128 one = _mm_add_ss(two, _mm_shuffle_ps(two, two, 1));
   return _mm_cvtss_f32(one);
+}
+
+// Sixteen reductions at once: lane k of the result is reduce_add(x[k]), bit for bit (the same
+// pairs added in the same tree, four levels of shuffles shared by all sixteen).
+inline F32x16 reduce_add16(const F32x16 (&x)[16]) {
+#if defined(__AVX512F__)
+  __m512 pairs[8], quads[4], octets[2];
+  for (int m = 0; m < 8; ++m)  // (i, i + 8): key 2m in lanes 0..7, key 2m + 1 in lanes 8..15
+    pairs[m] = _mm512_add_ps(_mm512_shuffle_f32x4(x[2 * m].v, x[2 * m + 1].v, 0x44),
+                             _mm512_shuffle_f32x4(x[2 * m].v, x[2 * m + 1].v, 0xEE));
+  for (int m = 0; m < 4; ++m)  // (i, i + 4): key 4m + j in quarter j
+    quads[m] = _mm512_add_ps(_mm512_shuffle_f32x4(pairs[2 * m], pairs[2 * m + 1], 0x88),
+                             _mm512_shuffle_f32x4(pairs[2 * m], pairs[2 * m + 1], 0xDD));
+  for (int m = 0; m < 2; ++m)  // (i, i + 2): quarter j holds keys 8m + j and 8m + 4 + j
+    octets[m] = _mm512_add_ps(_mm512_shuffle_ps(quads[2 * m], quads[2 * m + 1], 0x44),
+                              _mm512_shuffle_ps(quads[2 * m], quads[2 * m + 1], 0xEE));
+  // (i, i + 1): lane 4j + i holds key 4i + j; a 4 x 4 transpose puts key k in lane k.
+  const __m512 sums = _mm512_add_ps(_mm512_shuffle_ps(octets[0], octets[1], 0x88),
+                                    _mm512_shuffle_ps(octets[0], octets[1], 0xDD));
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  return {_mm512_permutexvar_ps(order, sums)};
+#else
+  __m256 eights[16], fours[8], twos[4], ones[2];
+  for (int k = 0; k < 16; ++k) eights[k] = _mm256_add_ps(x[k].lo, x[k].hi);  // (i, i + 8)
+  for (int m = 0; m < 8; ++m)  // (i, i + 4): key 2m + h in half h
+    fours[m] = _mm256_add_ps(_mm256_permute2f128_ps(eights[2 * m], eights[2 * m + 1], 0x20),
+                             _mm256_permute2f128_ps(eights[2 * m], eights[2 * m + 1], 0x31));
+  for (int m = 0; m < 4; ++m)  // (i, i + 2): half h holds keys 4m + h and 4m + 2 + h
+    twos[m] = _mm256_add_ps(_mm256_shuffle_ps(fours[2 * m], fours[2 * m + 1], 0x44),
+                            _mm256_shuffle_ps(fours[2 * m], fours[2 * m + 1], 0xEE));
+  for (int m = 0; m < 2; ++m)  // (i, i + 1): lane 4h + i holds key 8m + h + 2i
+    ones[m] = _mm256_add_ps(_mm256_shuffle_ps(twos[2 * m], twos[2 * m + 1], 0x88),
+                            _mm256_shuffle_ps(twos[2 * m], twos[2 * m + 1], 0xDD));
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  return {_mm256_permutevar8x32_ps(ones[0], order), _mm256_permutevar8x32_ps(ones[1], order)};
+#endif
 }
 
 // The largest lane (exact in any order).

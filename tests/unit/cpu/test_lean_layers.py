@@ -198,3 +198,31 @@ def test_the_default_model_on_the_integer_kernel_runs_fused_layers_on_int8_activ
     packed = [m for m in loaded.model.modules() if isinstance(m, PackedWeights)]
     assert len(packed) == 4 * loaded.model.config.num_hidden_layers + 1
     assert all(m.activations == "int8" for m in packed)
+
+
+@pytest.mark.skipif(not runnable_variants(), reason="no variant of the fast CPU path runs on this CPU")
+def test_every_node_of_a_wide_tree_gets_plain_decodings_bits_on_the_fused_stack() -> None:
+    """Attention units share keys across rows and heads; each node must still see exactly what
+    plain decoding of its branch sees, bit for bit (a 40-token history: full and partial blocks of
+    16 keys; 20 nodes: units of several rows, own entries past the shared history)."""
+    from lookahead.models.loading import load_model
+    from lookahead.runtime.runner import ModelRunner
+
+    loaded = load_model(linear_kernel="integer")
+    assert type(loaded.model.model.stack).__name__ == "FusedStack"
+    runner = ModelRunner(loaded.model, prefix_cache_tokens=0, kv_cache_bytes=0)
+    prompt = [(37 * i + 11) % 5000 + 100 for i in range(40)]
+    parents = [-1, 0, 0, 1, 1, 2, 3, 3, 4, 5, 6, 7, 8, 9, 9, 10, 11, 12, 13, 14]
+    tokens = [(53 * i + 7) % 4000 + 300 for i in range(len(parents))]
+    with torch.inference_mode(), runner.scratch_slot() as slot:
+        runner.forward_drafts([Draft(prompt, [-1, *range(len(prompt) - 1)])], [0], [slot])
+        tree = runner.forward_drafts([Draft(tokens, parents)], [len(prompt)], [slot])[0].clone()
+        for node in range(len(parents)):
+            branch = [node]
+            while parents[branch[-1]] >= 0:
+                branch.append(parents[branch[-1]])
+            length = len(prompt)
+            for step in reversed(branch):  # plain decoding: one token a forward, root first
+                plain = runner.forward_drafts([Draft.root_only(tokens[step])], [length], [slot])[0]
+                length += 1
+            assert torch.equal(plain[0], tree[node]), f"node {node} differs from plain decoding"
