@@ -77,7 +77,7 @@ def measure_peaks(variant: Any, threads: tuple[int, ...]) -> Peaks:
 class Traffic:
     """What a forward of q new tokens must move and compute."""
 
-    weight_bytes: int  # packed matrices (LM head included), read once per forward
+    weight_bytes: int  # what the kernels stream of the packed matrices (LM head included), once per forward
     kv_bytes: int  # KV entries the new tokens attend to
     int8_ops: int  # multiply-adds (x2) of int8 activations
     fp32_ops: int  # multiply-adds (x2) in fp32: linear layers on fp32 activations, attention
@@ -89,7 +89,7 @@ def traffic(model: Any, q: int, cached: int) -> Traffic:
     weight_bytes = int8_ops = fp32_ops = 0
     for module in model.modules():
         if isinstance(module, PackedWeights):
-            weight_bytes += sum(b.numel() * b.element_size() for b in module.buffers())
+            weight_bytes += module.streamed_bytes()
             ops = 2 * q * module.in_features * module.out_features
             if module.activations == "int8":
                 int8_ops += ops

@@ -148,6 +148,19 @@ class PackedWeights(nn.Module):
             self._shared, self._takers_left = (x, y), self._siblings - 1
         return y
 
+    def streamed_bytes(self) -> int:
+        """The bytes one forward reads of this matrix: the weights, their scales, the offsets where
+        some are not zero (the kernel skips them otherwise, csrc/packed_linear.cpp), the bias."""
+        if self.form == "fp32":
+            buffers = [self.weight_packed]
+        else:
+            buffers = [self.q_packed, self.d_packed]
+            if bool(self.m_packed.abs().max() != 0):
+                buffers.append(self.m_packed)
+        if self.bias is not None:
+            buffers.append(self.bias)
+        return sum(b.numel() * b.element_size() for b in buffers)
+
     def product(self, rows: torch.Tensor) -> torch.Tensor:
         """rows [M, in_features] (contiguous) @ W^T + bias: [M, out_features], every sibling's outputs."""
         return self.matrix(rows)

@@ -320,3 +320,17 @@ def test_found_forms_are_kept_by_the_weights_digest_and_searched_again_when_unre
     other[0, 0] = torch.nextafter(other[0, 0], torch.tensor(1.0))  # one bit: another entry
     assert cached_integer_form(other) is None
     assert len(list(tmp_path.glob("*.safetensors"))) == 3
+
+
+def test_streamed_bytes_count_what_the_kernel_reads(extension) -> None:
+    """The roofline's memory floor: an int8 form without offsets streams q and its scales, not the
+    zero offsets the kernel skips; an int4 form with offsets streams them too; fp32 its weights."""
+    int8 = packed_from(dequantised(64, 128, 8, seed=2), extension).weights
+    d_bytes = int8.d_packed.numel() * int8.d_packed.element_size()
+    assert int8.form == "int8" and not bool(int8.m_packed.any())
+    assert int8.streamed_bytes() == 64 * 128 + d_bytes
+    int4 = packed_from(dequantised(64, 128, 4, seed=2), extension).weights
+    assert int4.form == "int4" and bool(int4.m_packed.any())
+    assert int4.streamed_bytes() == 64 * 128 // 2 + 2 * d_bytes
+    fp32 = packed_from(torch.randn(64, 128), extension).weights
+    assert fp32.streamed_bytes() == 64 * 128 * 4
