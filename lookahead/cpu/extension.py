@@ -22,6 +22,7 @@ from types import ModuleType
 import torch
 
 from ..cache_dirs import kernels_dir
+from ..runtime import recycling
 
 _SOURCES = Path(__file__).with_name("csrc")
 _BUILD_ROOT = kernels_dir()
@@ -121,7 +122,14 @@ def variant_named(name: str) -> Variant:
 
 @cache
 def load_extension(variant: Variant) -> ModuleType:
-    """Compile (first time, ~1 min) or load one variant of the extension."""
+    """Compile (first time, ~1 min) or load one variant of the extension; from then on the
+    runtime's recycling takes its top candidates from it."""
+    module = _build_or_load(variant)
+    recycling.use_cpu_kernel(module.top_candidates)
+    return module
+
+
+def _build_or_load(variant: Variant) -> ModuleType:
     if variant not in runnable_variants():
         raise FastPathUnavailable(f"this CPU cannot run the {variant.name} variant")
     from torch.utils import cpp_extension

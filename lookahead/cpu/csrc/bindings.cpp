@@ -1,9 +1,11 @@
 // The Python module of the fast CPU path (lookahead/cpu/extension.py builds one per variant):
-// packed matrices, lean layers, the pool step of the layer stacks, the roofline probes.
+// packed matrices, lean layers, the pool step of the layer stacks, the roofline probes, the top
+// candidates of logits.
 #include "fused_stack.h"
 #include "lean_layer.h"
 #include "roofline.h"
 #include "simd.h"
+#include "top_candidates.h"
 
 namespace {
 
@@ -38,6 +40,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("read_bandwidth", &read_bandwidth, "bytes read per second", ReleaseGil());
   module.def("fma_peak", &fma_peak, "fp32 operations per second", ReleaseGil());
   module.def("int8_dot_peak", &int8_dot_peak, "int8 dot-product operations per second", ReleaseGil());
+  module.def("top_candidates", &top_candidates, "rows [R, V], k -> (values [R, k], indices [R, k], log-sum-exp [R])",
+             pybind11::arg("rows"), pybind11::arg("k"), ReleaseGil());
   pybind11::class_<PackedMatrix>(module, "PackedMatrix", pybind11::module_local())
       .def(pybind11::init(&packed_matrix), pybind11::arg("form"), pybind11::arg("weights"), pybind11::arg("d"),
            pybind11::arg("m"), pybind11::arg("bias"), pybind11::arg("N"), pybind11::arg("activations") = "fp32")
