@@ -9,11 +9,11 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 import transformers
 
 from lookahead.cli import main
 from lookahead.models.chat import apply_chat_template
+from tests.helpers import plain_greedy
 
 CHATGLM = Path(__file__).resolve().parents[1] / "data" / "chatglm3-tiny"
 REFERENCE = json.loads((CHATGLM / "reference.jsonl").read_text().splitlines()[3])
@@ -121,7 +121,7 @@ def test_the_default_model_answers_a_chat_prompt_as_json(capsys, default_model) 
         capsys,
         "generate",
         "--prompt",
-        "What is the capital of France?",
+        "What is the capital of Japan?",
         "--chat",
         "--max-tokens",
         "12",
@@ -129,11 +129,9 @@ def test_the_default_model_answers_a_chat_prompt_as_json(capsys, default_model) 
     )
     assert status == 0
     result = json.loads(out.splitlines()[-1])
-    assert result["text"] == "The capital of France is Paris."
-    prompt = apply_chat_template(default_model.tokenizer, "What is the capital of France?")
-    with torch.inference_mode():
-        plain = default_model.model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)
-    assert result["token_ids"] == plain[0, len(prompt) :].tolist()
+    assert result["text"] == "The capital of Japan is Tokyo."  # no near-tie on either CPU path
+    prompt = apply_chat_template(default_model.tokenizer, "What is the capital of Japan?")
+    assert result["token_ids"] == plain_greedy(default_model.model, prompt, 12)
     assert result["finish_reason"] == "stop"
 
 
