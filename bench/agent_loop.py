@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.report import write_csv
-from bench.servers import add_comparison_arguments, server_url
+from bench.servers import add_comparison_arguments, check_comparison_arguments, server_url
 from bench.stdlib_sets import coding_conversations
 from launcher import TritonServerError, free_port, start_frontend
 
@@ -233,11 +233,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--openai-url", default=None, help="a running OpenAI endpoint (else one is started)")
     parser.add_argument("--out", type=Path, default=Path("results/agent_loop"))
     args = parser.parse_args(argv)
-    if args.baseline not in args.models:
-        parser.error(f"--baseline {args.baseline} must be one of --models")
-    args.start_server = args.url is None
-    args.warm_trie = False
-    return args
+    return check_comparison_arguments(parser, args)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

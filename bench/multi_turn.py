@@ -33,7 +33,7 @@ from pathlib import Path
 
 from bench.genai_perf import served_tokenizer
 from bench.report import write_csv
-from bench.servers import add_comparison_arguments, parse_concurrency, server_url
+from bench.servers import add_comparison_arguments, check_comparison_arguments, parse_concurrency, server_url
 from bench.speedup import complete
 from bench.stdlib_sets import Conversation, coding_conversations
 from launcher import TritonServerError
@@ -196,11 +196,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--tokenizer", default=None, help="default: the lookahead model's (served_tokenizer)")
     parser.add_argument("--out", type=Path, default=Path("results/multi_turn"))
     args = parser.parse_args(argv)
-    if args.baseline not in args.models:
-        parser.error(f"--baseline {args.baseline} must be one of --models")
-    args.start_server = args.url is None
-    args.warm_trie = False
-    return args
+    return check_comparison_arguments(parser, args)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

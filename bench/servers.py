@@ -54,6 +54,18 @@ def add_comparison_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--baseline", default="baseline", help="the model every ratio and text is against")
 
 
+def check_comparison_arguments(
+    parser: argparse.ArgumentParser, args: argparse.Namespace
+) -> argparse.Namespace:
+    """The parsed arguments of add_comparison_arguments, checked (--baseline among --models), with a
+    cold server started for the run where no --url is given."""
+    if args.baseline not in args.models:
+        parser.error(f"--baseline {args.baseline} must be one of --models")
+    args.start_server = args.url is None
+    args.warm_trie = False
+    return args
+
+
 @contextmanager
 def launcher_as_shipped(out: Path, model: str | None = None) -> Iterator[str]:
     """The server as scripts/serve.sh starts it (`python -m launcher` on the repository as it ships,

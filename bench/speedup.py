@@ -35,7 +35,7 @@ from typing import Any
 from bench.genai_perf import served_tokenizer
 from bench.prompt_sets import PROMPT_SET_NAMES, load_prompt_set
 from bench.report import write_csv
-from bench.servers import add_comparison_arguments, parse_concurrency, server_url
+from bench.servers import add_comparison_arguments, check_comparison_arguments, parse_concurrency, server_url
 from client.api import Chunk, Completion, LookaheadClient
 from launcher import TritonServerError
 from lookahead.models.chat import chat_prompt
@@ -221,11 +221,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     unknown = sorted(set(args.sets) - set(PROMPT_SET_NAMES))
     if unknown:
         parser.error(f"unknown prompt sets {unknown}; choose from {', '.join(PROMPT_SET_NAMES)}")
-    if args.baseline not in args.models:
-        parser.error(f"--baseline {args.baseline} must be one of --models")
-    args.start_server = args.url is None
-    args.warm_trie = False
-    return args
+    return check_comparison_arguments(parser, args)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
