@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import shutil
 from pathlib import Path
+from typing import Any
 
 from launcher import TritonServer, free_port, start_server
 
@@ -40,12 +41,17 @@ def set_parameter(config: str, key: str, value: str) -> str:
 READY_TIMEOUT_S = 600.0
 
 
-def launch(repository: Path, log_file: Path) -> TritonServer:
+def launch(
+    repository: Path, log_file: Path, ready_timeout_s: float = READY_TIMEOUT_S, **options: Any
+) -> TritonServer:
+    """tritonserver on `repository` with fresh ports, its output in `log_file`; `options` go to
+    launcher.start_server (extra_args, extra_env)."""
     return start_server(
         repository,
         http_port=free_port(),
         grpc_port=free_port(),
         metrics_port=free_port(),
         log_file=log_file,
-        ready_timeout_s=READY_TIMEOUT_S,
+        ready_timeout_s=ready_timeout_s,
+        **options,
     )

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from client import Completion, LookaheadClient
-from launcher import TritonServer, free_port, start_server
+from launcher import TritonServer
+from tests.integration.servers import launch
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -41,13 +42,7 @@ def triton(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TritonServer]:
         for key, value in values.items():
             config = set_parameter(config, key, value)
         config_path.write_text(config)
-    with start_server(
-        repository,
-        http_port=free_port(),
-        grpc_port=free_port(),
-        metrics_port=free_port(),
-        log_file=root / "server.log",
-    ) as server:
+    with launch(repository, root / "server.log", ready_timeout_s=300.0) as server:
         yield server
 
 

@@ -14,10 +14,10 @@ from typing import Any
 import openai
 import pytest
 
-from launcher import Frontend, TritonServer, free_port, start_frontend, start_server
+from launcher import Frontend, TritonServer, free_port, start_frontend
 from lookahead.models.embedded import prepare_embedded_model
 from lookahead.models.loading import load_tokenizer
-from tests.integration.servers import copy_repository, set_parameter
+from tests.integration.servers import copy_repository, launch, set_parameter
 
 MODEL = "qwen2.5-coder-0.5b-instruct"
 MAX_TOKENS = 40
@@ -57,14 +57,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TritonServer]:
     config = repository / "lookahead" / "config.pbtxt"
     text = set_parameter(config.read_text(), "model", MODEL)
     config.write_text(set_parameter(text, "max_prompt_tokens", "0"))  # the model's context length
-    with start_server(
-        repository,
-        http_port=free_port(),
-        grpc_port=free_port(),
-        metrics_port=free_port(),
-        log_file=root / "server.log",
-        ready_timeout_s=1200,
-    ) as running:
+    with launch(repository, root / "server.log", ready_timeout_s=1200) as running:
         yield running
 
 

@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 
 from bench.prompt_sets import load_prompt_set
-from launcher import TritonServer, free_port, start_server
+from launcher import TritonServer
 from lookahead.contract import MODEL_ENV
 from lookahead.models.embedded import prepare_embedded_model
 from lookahead.models.loading import load_tokenizer
-from tests.integration.servers import copy_repository, set_parameter
+from tests.integration.servers import copy_repository, launch, set_parameter
 from tests.integration.test_server import generate
 
 MODEL = "qwen2.5-coder-0.5b-instruct"
@@ -41,14 +41,8 @@ def server(gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Tri
     for model in ("lookahead", "baseline"):  # the code-editing prompts are longer than the copy's limit
         config = repository / model / "config.pbtxt"
         config.write_text(set_parameter(config.read_text(), "max_prompt_tokens", "2048"))
-    with start_server(
-        repository,
-        http_port=free_port(),
-        grpc_port=free_port(),
-        metrics_port=free_port(),
-        log_file=root / "server.log",
-        extra_env={MODEL_ENV: MODEL},
-        ready_timeout_s=1200,
+    with launch(
+        repository, root / "server.log", ready_timeout_s=1200, extra_env={MODEL_ENV: MODEL}
     ) as running:
         yield running
 

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import tritonclient.grpc as grpcclient
 
-from launcher import TritonServer, free_port, start_server
+from launcher import TritonServer
 from lookahead.state.persistence import MAGIC
-from tests.integration.servers import READY_TIMEOUT_S, copy_repository, set_parameter
+from tests.integration.servers import copy_repository, launch, set_parameter
 from tests.integration.test_server import GrpcStream, generate, grpc_inputs, wait_for
 
 PROMPT = "def fibonacci(n):"
@@ -33,14 +33,10 @@ def explicit(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[TritonS
     text = set_parameter(config.read_text(), "snapshot_interval_s", "0")
     assert '"REPORT_CUSTOM_METRICS", value: { string_value: "true" }' in text
     config.write_text(text)
-    server = start_server(
+    server = launch(
         repository,
-        http_port=free_port(),
-        grpc_port=free_port(),
-        metrics_port=free_port(),
-        log_file=root / "server.log",
+        root / "server.log",
         extra_args=("--model-control-mode=explicit", "--load-model=lookahead"),
-        ready_timeout_s=READY_TIMEOUT_S,
     )
     with server:
         yield server, state, config

@@ -21,9 +21,9 @@ import pytest
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from launcher import TritonServer, free_port, start_server
+from launcher import TritonServer
 from lookahead.models.loading import LoadedModel
-from tests.integration.servers import READY_TIMEOUT_S, REPOSITORY, set_parameter
+from tests.integration.servers import REPOSITORY, launch, set_parameter
 
 # Prompts on which the default model writes 16 tokens before any end of text.
 PROMPT = "The future of AI is"
@@ -399,15 +399,7 @@ def explicit_server(tmp_path_factory: pytest.TempPathFactory):
             config.read_text(), "REPORT_CUSTOM_METRICS", "false" if name == "quiet" else "true"
         )
         config.write_text(text.replace("parameters [\n", "parameters [\n" + extra, 1))
-    with start_server(
-        repository,
-        http_port=free_port(),
-        grpc_port=free_port(),
-        metrics_port=free_port(),
-        log_file=root / "server.log",
-        extra_args=["--model-control-mode=explicit"],
-        ready_timeout_s=READY_TIMEOUT_S,
-    ) as running:
+    with launch(repository, root / "server.log", extra_args=["--model-control-mode=explicit"]) as running:
         yield running
 
 
