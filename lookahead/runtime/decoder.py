@@ -123,11 +123,10 @@ class LookaheadDecoder:
             max_choices=grammar_max_choices,
         )
         # The step's cost curve per (linear kernel, threads): from the path's prior, or, once
-        # measure_cost() ran, measured on this model; measured again when the threads change.
+        # measure_cost() ran, measured on this model; every curve learns from its steps.
         self.kernel = kernel
         self.prior = dict(cost_prior) if cost_prior else None
         self.costs: dict[tuple[str, int], CostModel] = {}
-        self.measure_budget_s = 0.0  # measure_cost() sets it
         self.cost_key = (kernel, torch.get_num_threads())
         # How likely the model is to accept each draft node, learned from every verdict.
         self.acceptance = AcceptancePredictor()
@@ -154,27 +153,29 @@ class LookaheadDecoder:
 
     def measure_cost(self, budget_s: float = 1.0) -> CostModel:
         """Time this model's forward at a few widths (about budget_s seconds, see
-        ModelRunner.time_widths) and start the current curve from them; every later change of
-        the thread count measures its own curve the same way. Before serving, between steps."""
-        self.measure_budget_s = budget_s
-        self.costs[self.cost_key] = self._new_cost_model()
-        return self.costs[self.cost_key]
+        ModelRunner.time_widths) and start the current curve from them. Before serving: a
+        forward's team that later shrinks or grows (`adaptive_threads`) starts its own curve from
+        this one's shape and learns its seconds from its steps, so serving never stops to measure."""
+        seconds = self.runner.time_widths(budget_s)
+        if seconds:
+            self.costs[self.cost_key] = CostModel.measured(seconds)
+            self.debug_log(
+                f"lookahead cost curve of the {self.kernel} kernel on {self.cost_key[1]} threads: "
+                + ", ".join(f"{q} tokens {1000 * t:.2f} ms" for q, t in seconds.items())
+            )
+        return self.cost
 
     def on_threads_changed(self, threads: int) -> None:
-        """Steps now run on `threads` threads: plan them on that count's curve (measured now, the
-        first time, where measure_cost ran). step() notices a change of torch's count itself."""
+        """Steps now run on `threads` threads: plan them on that count's curve. step() notices a
+        change of torch's count itself."""
         self.cost_key = (self.kernel, threads)
 
     def _new_cost_model(self) -> CostModel:
-        if self.measure_budget_s > 0:
-            seconds = self.runner.time_widths(self.measure_budget_s)
-            if seconds:
-                model = CostModel.measured(seconds)
-                self.debug_log(
-                    f"lookahead cost curve of the {self.kernel} kernel on {self.cost_key[1]} threads: "
-                    + ", ".join(f"{q} tokens {1000 * t:.2f} ms" for q, t in seconds.items())
-                )
-                return model
+        """A curve for a (kernel, threads) pair not seen before: the shape measured on this kernel
+        with another team, else the execution path's prior; its steps refine it."""
+        for (kernel, _), measured in self.costs.items():
+            if kernel == self.kernel and measured.predicted:
+                return CostModel(dict(measured.prior))
         return CostModel.for_device(self.device.type, self.prior)
 
     def stop_word_ids(self, words: tuple[int | str, ...]) -> frozenset[int]:
@@ -370,7 +371,7 @@ class LookaheadDecoder:
         threads = torch.get_num_threads()
         if threads != self.cost_key[1]:
             self.on_threads_changed(threads)
-        cost = self.cost  # measured here, before this step's timing, where the key is new
+        cost = self.cost
         started = time.perf_counter()
         times = self.last_step = StepTimes()
         self.runner.pack()  # before any slot is looked up: packing moves requests between slots

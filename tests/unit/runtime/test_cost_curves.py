@@ -33,14 +33,26 @@ def test_measure_cost_times_the_model_within_its_budget(tiny_model, byte_tokeniz
     assert decoder.cost is cost and not any(decoder.runner.pool.owners)  # the probe left its slot
 
 
-def test_each_thread_count_gets_its_own_measured_curve(tiny_model, byte_tokenizer) -> None:
+def test_another_team_size_starts_from_the_measured_shape_without_stopping_to_measure(
+    tiny_model, byte_tokenizer
+) -> None:
     decoder = LookaheadDecoder(tiny_model("llama"), byte_tokenizer, NGramTrie(1000, 8))
     first = decoder.measure_cost(budget_s=0.1)
     kernel, threads = decoder.cost_key
     assert kernel == "stock"
-    decoder.on_threads_changed(threads + 1)
-    second = decoder.cost
-    assert second is not first and second.predicted  # measured again, not the prior
+
+    def no_probe(budget_s: float) -> dict[int, float]:
+        raise AssertionError("serving stopped to time the forward")
+
+    decoder.runner.time_widths = no_probe  # type: ignore[method-assign]
+    try:
+        torch.set_num_threads(threads + 1)
+        decoder.generate(repetitive_prompt(), SamplingParams(max_tokens=8))
+    finally:
+        torch.set_num_threads(threads)
+    second = decoder.costs[(kernel, threads + 1)]
+    assert second is not first and second.prior == first.prior and second.predicted == {}
+    assert second.seconds and not first.seconds  # the new team's steps refine its own curve
     decoder.on_threads_changed(threads)
     assert decoder.cost is first
 
