@@ -17,6 +17,9 @@ from typing import Any
 DECODING_MODES = ("hier", "par", "one")
 # What proposes drafts (lookahead/algorithm/drafters: one module each, registered under its name).
 DRAFTER_NAMES = ("trie", "hybrid", "recycled")
+# The drafters that read the model's recycled candidates: only their requests pay for keeping the
+# recycle table (one top-k over the vocabulary per verified row).
+RECYCLING_DRAFTERS = frozenset({"hybrid", "recycled"})
 # The fast CPU path (lookahead/cpu): "integer" multiplies int8 activations with the integer forms of
 # quantised weights (llama.cpp's arithmetic) in fused layers; "packed" keeps fp32 activations and
 # computes transformers' own bits. "stock": transformers' layers. "auto": integer where the fast path

@@ -130,9 +130,8 @@ class LookaheadDecoder:
         self.cost_key = (kernel, torch.get_num_threads())
         # How likely the model is to accept each draft node, learned from every verdict.
         self.acceptance = AcceptancePredictor()
-        # The model's own next-token candidates per token, from every verified row (drafters
-        # that recycle them read it; kept whatever this instance's default drafter is, so a
-        # request choosing one finds it warm).
+        # The model's own next-token candidates per token, from the verified rows of the requests
+        # whose drafter reads them (config.RECYCLING_DRAFTERS).
         self.recycled = RecycleTable(self.vocab_size) if config.drafting else None
         # Where LookaheadConfig.debug lines go (the backend sends them to the server log).
         self.debug_log: Callable[[str], None] = logging.getLogger("lookahead").info

@@ -22,7 +22,7 @@ from ..algorithm.drafters import Drafter, DraftQuery, DraftRequest, make_drafter
 from ..algorithm.recycling import PrivateRecycles, Recycles, RecycleTable
 from ..algorithm.trie import NGramTrie, TrieWriter
 from ..algorithm.verify import Verdict
-from ..config import LookaheadConfig, SamplingParams
+from ..config import RECYCLING_DRAFTERS, LookaheadConfig, SamplingParams
 from .detokenizer import Detokenizer
 from .logprobs import PositionLogprobs, token_logprobs
 from .sampling import TokenSelector
@@ -123,10 +123,11 @@ class Generation:
         self.stop_tokens = frozenset(eos) | frozenset(params.stop_token_ids)  # tokens that end the output
         # How likely each draft node is accepted; with `learn` off the instance's predictor is only read.
         self.acceptance = shared.acceptance.for_request(teaches=config.learn)
-        # The table this request drafts from and writes its verified rows into: with `learn` off,
-        # rows of its own over the instance's (nothing shared learns from a private request).
-        self.recycled: Recycles | None = shared.recycled
-        if shared.recycled is not None and not config.learn:
+        # The table this request drafts from and writes its verified rows into, where its drafter
+        # reads one: with `learn` off, rows of its own over the instance's (nothing shared learns
+        # from a private request).
+        self.recycled: Recycles | None = shared.recycled if config.drafter in RECYCLING_DRAFTERS else None
+        if self.recycled is not None and shared.recycled is not None and not config.learn:
             self.recycled = PrivateRecycles(shared.recycled)
         # min_tokens keeps EOS out even with ignore_eos, as vLLM does.
         suppressed = (*shared.eos_token_ids, *params.stop_token_ids)
