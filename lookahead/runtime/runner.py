@@ -259,9 +259,11 @@ class ModelRunner:
     def time_widths(self, budget_s: float) -> dict[int, float]:
         """Seconds of this model's verification forward feeding q = 1, 2, 4, ... draft rows after
         PROBE_CONTEXT cached entries, the way a step feeds them (one ragged segment, the output
-        layer on every row): widths 1 and 2 always, wider ones while the next is expected to fit
-        in what is left of budget_s, each timed again where there is room (the faster kept). {} when
-        the pool has no room for the probe."""
+        layer on every row), within about budget_s: widths 1 and 2 always, wider ones while the
+        next is expected to fit, then whole passes over those widths again while one fits, each
+        width's fastest kept. Passes spread over the budget, so a burst of other work (another
+        model loading beside this one) inflates one pass, not the curve. {} when the pool has no
+        room for the probe."""
         probe = _Probe(PROBE_CONTEXT + PROBE_WIDEST)
         if self.pool.layout is None:
             self.pool.layout = self.kv_layout
@@ -284,13 +286,13 @@ class ModelRunner:
             forward(1)  # the first forward pays for allocations
             q = 1
             while q <= PROBE_WIDEST:
-                left = budget_s - (time.perf_counter() - started)
-                if q > 2 and 2 * seconds[q // 2] > left:
+                if q > 2 and 2 * seconds[q // 2] > budget_s - (time.perf_counter() - started):
                     break
                 seconds[q] = forward(q)
-                if 2 * seconds[q] < left:  # a second timing where the next width still fits after it
-                    seconds[q] = min(seconds[q], forward(q))
                 q *= 2
+            while sum(seconds.values()) < budget_s - (time.perf_counter() - started):
+                for q in seconds:
+                    seconds[q] = min(seconds[q], forward(q))
         finally:
             self.pool.release(probe)
             self.release_idle()

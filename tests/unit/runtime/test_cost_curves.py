@@ -33,6 +33,27 @@ def test_measure_cost_times_the_model_within_its_budget(tiny_model, byte_tokeniz
     assert decoder.cost is cost and not any(decoder.runner.pool.owners)  # the probe left its slot
 
 
+def test_a_burst_of_other_work_while_measuring_inflates_one_pass_not_the_curve(
+    tiny_model, byte_tokenizer
+) -> None:
+    decoder = LookaheadDecoder(tiny_model("llama"), byte_tokenizer, NGramTrie(1000, 8))
+    decoder.kv_bytes_per_token
+    runner, forward = decoder.runner, decoder.runner.forward_segments
+    calls = 0
+
+    def busy_at_first(works):  # another model loading beside this one, for the first forwards
+        nonlocal calls
+        calls += 1
+        if calls <= 6:
+            time.sleep(0.03)
+        return forward(works)
+
+    runner.forward_segments = busy_at_first  # type: ignore[method-assign]
+    seconds = runner.time_widths(0.5)
+    assert calls > 6 and len(seconds) >= 3
+    assert max(seconds.values()) < 0.03, seconds
+
+
 def test_another_team_size_starts_from_the_measured_shape_without_stopping_to_measure(
     tiny_model, byte_tokenizer
 ) -> None:
