@@ -1,9 +1,9 @@
 """The response thread: the only thread that calls a response sender.
 
 `send()` and `is_cancelled()` are blocking IPC round trips to the server process, so they run
-here and never on the engine thread (vLLM backend PR #46/#54). After each non-final send we ask
-whether the client cancelled, and every CANCEL_POLL_S we ask for each request in flight. A
-cancelled request is answered here at once (a step can take seconds: a long prompt chunk, a
+here and never on the engine thread (vLLM backend PR #46/#54). Every CANCEL_POLL_S we ask each
+request in flight whether its client cancelled (not after every send: on two cores each round
+trip is time the forward's threads lose to the server process). A cancelled request is answered here at once (a step can take seconds: a long prompt chunk, a
 loaded machine); the engine drops it before its next step and its later updates are not sent.
 While requests are in flight it also asks the server whether the model is still served: Triton
 finalizes a model only after its requests end, so an unload (or a server shutdown) must reach
@@ -181,8 +181,6 @@ class ResponseLoop:
         flags = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0
         try:
             state.sender.send(response, flags=flags)
-            if not final and state.sender.is_cancelled():
-                self._end_cancelled(state)
         except Exception:  # a vanished client must not stop the responses of the others
             self.log.log_error(f"Error sending a response for request {state.id}: {traceback.format_exc()}")
             if final:
