@@ -3,8 +3,9 @@
 `send()` and `is_cancelled()` are blocking IPC round trips to the server process, so they run
 here and never on the engine thread (vLLM backend PR #46/#54). Every CANCEL_POLL_S we ask each
 request in flight whether its client cancelled (not after every send: on two cores each round
-trip is time the forward's threads lose to the server process). A cancelled request is answered here at once (a step can take seconds: a long prompt chunk, a
-loaded machine); the engine drops it before its next step and its later updates are not sent.
+trip is time the forward's threads lose to the server process). A cancelled request is answered
+here at once (a step can take seconds: a long prompt chunk, a loaded machine); the engine drops it
+before its next step and its later updates are not sent.
 While requests are in flight it also asks the server whether the model is still served: Triton
 finalizes a model only after its requests end, so an unload (or a server shutdown) must reach
 the engine through here.
