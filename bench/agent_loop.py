@@ -124,7 +124,7 @@ def agent(client: Any, model: str, index: int, task: str, turns: int, max_tokens
             "content": f"{task} has a bug with empty input. Read it with read_file, then find it.",
         },
     ]
-    name, _, drafter = model.partition(":")  # lookahead:hybrid: the served model with that drafter
+    name, _, drafter = model.partition(":")  # on a running --url: the served model with that drafter
     extra = {"extra_body": {"drafter": drafter}} if drafter else {}
     done = []
     for number in range(1, turns + 1):

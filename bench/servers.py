@@ -49,7 +49,7 @@ def add_comparison_arguments(parser: argparse.ArgumentParser) -> None:
         "--models",
         nargs="+",
         default=["lookahead", "baseline"],
-        help="served models; NAME:DRAFTER picks a drafter",
+        help="served models; NAME:DRAFTER is NAME with that drafter, served as a model of its own",
     )
     parser.add_argument("--baseline", default="baseline", help="the model every ratio and text is against")
 
@@ -58,12 +58,59 @@ def check_comparison_arguments(
     parser: argparse.ArgumentParser, args: argparse.Namespace
 ) -> argparse.Namespace:
     """The parsed arguments of add_comparison_arguments, checked (--baseline among --models), with a
-    cold server started for the run where no --url is given."""
+    cold server started for the run where no --url is given.
+
+    Each NAME:DRAFTER of --models must be a model of its own: two entries served by one model
+    would share its trie and prefix cache, and whichever ran second would draft from (and skip
+    reading) what the first was just asked. On a server started for the run it is served as
+    NAME_DRAFTER, a copy of NAME with that `drafter` (drafter_repository); a running --url must
+    serve each such entry apart already."""
     if args.baseline not in args.models:
         parser.error(f"--baseline {args.baseline} must be one of --models")
+    served = [model.partition(":")[0] for model in args.models]
     args.start_server = args.url is None
     args.warm_trie = False
+    if args.start_server and any(":" in model for model in args.models):
+        args.model_repository = drafter_repository(args.model_repository, args.models, args.out)
+        args.models = [model.replace(":", "_") for model in args.models]
+        args.baseline = args.baseline.replace(":", "_")
+    elif len(set(served)) < len(served):
+        parser.error(
+            f"--models {' '.join(args.models)} serve one model twice: it would learn one entry's "
+            "prompts for the other; serve each drafter as a model of its own"
+        )
     return args
+
+
+def drafter_repository(repository: Path, models: list[str], out: Path) -> Path:
+    """A repository in out/model_repository serving repository's models and, for each NAME:DRAFTER,
+    NAME_DRAFTER: NAME's folder with that `drafter` in its config.pbtxt."""
+    import re
+
+    served = out.resolve() / "model_repository"
+    shutil.rmtree(served, ignore_errors=True)
+    served.mkdir(parents=True)
+    for folder in repository.resolve().iterdir():
+        if (folder / "config.pbtxt").exists():
+            (served / folder.name).symlink_to(folder, target_is_directory=True)
+    for model in models:
+        name, _, drafter = model.partition(":")
+        if not drafter:
+            continue
+        source, target = repository.resolve() / name, served / f"{name}_{drafter}"
+        target.mkdir()
+        for entry in source.iterdir():
+            if entry.name != "config.pbtxt":
+                (target / entry.name).symlink_to(entry, target_is_directory=entry.is_dir())
+        config, replaced = re.subn(
+            r'(\{ key: "drafter", value: \{ string_value: )"[^"]*"',
+            rf'\1"{drafter}"',
+            (source / "config.pbtxt").read_text(),
+        )
+        if replaced != 1:
+            raise ValueError(f"{source / 'config.pbtxt'} sets no drafter")
+        (target / "config.pbtxt").write_text(config)
+    return served
 
 
 @contextmanager

@@ -90,8 +90,9 @@ def prompts_of(name: str, tokenizer: str) -> list[str]:
 
 
 def complete(url: str, model: str, prompt: str, max_tokens: int, extra: dict[str, Any]) -> Completion:
-    """One streamed completion. `model` may name a drafter after a colon (`lookahead:hybrid`):
-    the served model with that per-request drafter, so one server measures every drafter."""
+    """One streamed completion. `model` may name a drafter after a colon (`lookahead:hybrid`): the
+    served model with that per-request drafter (on a running --url that serves it to no other
+    entry; a server started for the run serves it as a model of its own, check_comparison_arguments)."""
     name, _, drafter = model.partition(":")
     options = {**extra, "drafter": drafter} if drafter else extra
     chunks: list[Chunk] = list(
