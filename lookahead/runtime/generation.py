@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..algorithm.acceptance import AcceptancePredictor
+from ..algorithm.backoff import DraftBackoff
 from ..algorithm.draft import FROM_GRAMMAR, Draft
 from ..algorithm.drafters import Drafter, DraftQuery, DraftRequest, make_drafter
 from ..algorithm.recycling import PrivateRecycles, Recycles, RecycleTable
@@ -145,6 +146,9 @@ class Generation:
         self.stop_words = shared.stop_words
         self.drafter: Drafter | None = None
         self.retrieved: Draft | None = None  # the latest draft retrieved, before the step's plan trimmed it
+        # Rests from looking for drafts while they keep failing to pay (adaptive requests only).
+        self.backoff = DraftBackoff() if config.adaptive else None
+        self.looked = False  # this step's draft came from the drafter (its verdict feeds `backoff`)
         if config.drafting:
             self.drafter = make_drafter(
                 DraftRequest(
@@ -240,9 +244,11 @@ class Generation:
         # Text the grammar fixes next is drafted as certain, and the drafter goes on after it.
         forced = grammar.forced()[: min(depth, width - 1)] if grammar is not None else []
         width, depth = width - len(forced), depth - len(forced)
-        if width <= 1 or depth <= 0:
+        self.looked = False
+        if width <= 1 or depth <= 0 or (not forced and self.backoff is not None and not self.backoff.looks()):
             draft = Draft.root_only(forced[-1] if forced else root)
         else:
+            self.looked = True
             admits = None
             if grammar is not None:
                 # nodes the grammar forbids would only be rejected: search among those it admits
@@ -263,6 +269,9 @@ class Generation:
         self.stats.accepted_draft_tokens += len(verdict.accepted_nodes)
         if self.drafter is not None:
             self.drafter.record_verdict(draft, verdict)
+        if self.looked and self.backoff is not None:
+            self.backoff.observe(len(verdict.accepted_nodes))
+            self.looked = False
         if self.config.debug:
             origins = ", ".join(f"{name} {count}" for name, count in draft.origin_counts().items())
             step = f"step {self.stats.steps}" if self.stats.steps else "prefill"
