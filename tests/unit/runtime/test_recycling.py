@@ -114,7 +114,9 @@ def test_seeded_sampling_with_recycled_drafts_emits_the_plain_samples(tiny_model
 
 def test_only_requests_whose_drafter_reads_the_table_write_it(tiny_model, byte_tokenizer) -> None:
     model = tiny_model("llama")
-    decoder = LookaheadDecoder(model, byte_tokenizer, NGramTrie(capacity=10_000, max_depth=9), LookaheadConfig())
+    decoder = LookaheadDecoder(
+        model, byte_tokenizer, NGramTrie(capacity=10_000, max_depth=9), LookaheadConfig()
+    )
     prompt = repetitive_prompt(random.Random(3), model.config.vocab_size)
     decoder.generate(prompt, SamplingParams(max_tokens=16))  # the default drafter, "trie"
     assert decoder.recycled is not None and decoder.recycled.updates == 0
