@@ -10,7 +10,7 @@ tool, up to --turns requests. What the drafters can reuse is what agents repeat:
 in every prompt, earlier calls, results the model quotes. Both models follow the same path as
 long as their answers are identical, which is checked turn by turn.
 
-Reported per model: output tokens/s (all turns' output tokens over the summed wall time), its ratio
+Each model first answers one untimed one-token request (`warm_up`). Reported per model: output tokens/s (all turns' output tokens over the summed wall time), its ratio
 to the baseline's, the mean time to first token of turn 1, 2, ... (the prefix cache spares a
 later turn the prompt it already read), tool calls made, turns identical to the baseline's (exit
 status 1 when one differs). Serve a model whose chat template has tools, e.g.:
@@ -236,6 +236,16 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return check_comparison_arguments(parser, args)
 
 
+def warm_up(client: Any, model: str) -> None:
+    """One untimed request of one token, sharing no text with the tasks' prompts: the first
+    request of a run otherwise pays for what the frontend and the model set up on first use."""
+    name, _, drafter = model.partition(":")
+    extra = {"extra_body": {"drafter": drafter}} if drafter else {}
+    client.chat.completions.create(
+        **extra, model=name, messages=[{"role": "user", "content": "Hello"}], max_tokens=1
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     import openai
 
@@ -250,6 +260,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 log = args.out / "frontend.log"
                 base_url = stack.enter_context(start_frontend(url, free_port(), log_file=log)).url
             client = openai.OpenAI(base_url=base_url, api_key="none", max_retries=0, timeout=1800)
+            for model in args.models:  # the first request to a model loads what it loads lazily
+                warm_up(client, model)
             for index, task in enumerate(tasks, start=args.offset):
                 shift = index % len(args.models)  # the first model rotates from task to task
                 for model in args.models[shift:] + args.models[:shift]:
