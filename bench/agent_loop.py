@@ -10,10 +10,11 @@ tool, up to --turns requests. What the drafters can reuse is what agents repeat:
 in every prompt, earlier calls, results the model quotes. Both models follow the same path as
 long as their answers are identical, which is checked turn by turn.
 
-Each model first answers one untimed one-token request (`warm_up`). Reported per model: output tokens/s (all turns' output tokens over the summed wall time), its ratio
-to the baseline's, the mean time to first token of turn 1, 2, ... (the prefix cache spares a
-later turn the prompt it already read), tool calls made, turns identical to the baseline's (exit
-status 1 when one differs). Serve a model whose chat template has tools, e.g.:
+Each model first answers one untimed one-token request (`warm_up`). Reported per model: output
+tokens/s (all turns' output tokens over the summed wall time), its ratio to the baseline's, the
+mean time to first token of turn 1, 2, ... (the prefix cache spares a later turn the prompt it
+already read), tool calls made, turns identical to the baseline's (exit status 1 when one differs).
+Serve a model whose chat template has tools, e.g.:
 
     LOOKAHEAD_MODEL=qwen2.5-coder-0.5b-instruct python -m bench agent_loop --tasks 4 --turns 4
 """
