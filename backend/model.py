@@ -84,6 +84,9 @@ MAX_LOGGED_ID_CHARS = 128
 ORPHAN_STOP_S = 2.0  # how long an orphaned stub waits for its engine's last step and snapshot
 DRAIN_WAIT_S = 20.0  # how long a drain waits for the engine's last step and snapshot, then the sends
 FINALIZE_SENDS_S = 5.0  # how long finalize after a drain waits for the response thread
+# How long a starting instance waits for the models loading beside it to leave the cores before
+# timing its forward for the planner (LookaheadDecoder.measure_cost).
+QUIET_WAIT_S = 60.0
 SERVER_STOPPING = "the server is shutting down; the request was not completed"
 
 
@@ -384,7 +387,9 @@ class TritonPythonModel:
         )
         decoder.kv_bytes_per_token  # measured here, so that request checks never run the model
         if config.lookahead.drafting:
-            decoder.measure_cost()  # the planner starts from this model's own cost curve
+            # The planner starts from this model's own cost curve, timed once the other models
+            # loading beside this one leave the cores.
+            decoder.measure_cost(quiet_wait_s=QUIET_WAIT_S)
         if keeper is not None:
             keeper.stop_words = decoder.stop_word_ids(config.lookahead.stop_words)
         return loaded, keeper, decoder

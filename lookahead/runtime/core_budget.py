@@ -123,6 +123,37 @@ class CoreBudget:
         return held
 
 
+def wait_until_quiet(
+    timeout_s: float,
+    *,
+    window_s: float = SAMPLE_INTERVAL_S,
+    clock: Callable[[], float] = time.monotonic,
+    own_seconds: Callable[[], float] = time.process_time,
+    machine_seconds: Callable[[set[int]], float | None] = busy_seconds,
+    sleep: Callable[[float], None] = time.sleep,
+) -> float | None:
+    """Wait, at most timeout_s, until other processes use less than RELEASE of a core of those this
+    process may run on over one window (a timing taken beside a busy neighbour, such as another
+    model loading in the same server, measures the neighbour). Returns the seconds waited, or None
+    where the machine stayed busy (or /proc/stat cannot be read: then at once)."""
+    cpus = os.sched_getaffinity(0)
+    started = clock()
+    while True:
+        before = (clock(), machine_seconds(cpus), own_seconds())
+        if before[1] is None:
+            return None
+        sleep(window_s)
+        after = (clock(), machine_seconds(cpus), own_seconds())
+        if after[1] is None:
+            return None
+        wall = max(after[0] - before[0], 1e-9)
+        elsewhere = max(0.0, (after[1] - before[1]) - (after[2] - before[2])) / wall
+        if elsewhere < RELEASE:
+            return after[0] - started
+        if after[0] - started >= timeout_s:
+            return None
+
+
 def _torch_set_threads(threads: int) -> None:
     import torch
 

@@ -30,7 +30,7 @@ from ..algorithm.trie import NGramTrie
 from ..algorithm.verify import Verdict, verify
 from ..config import DecoderConfig, LookaheadConfig, SamplingParams, TrieConfig
 from ..structured import CompiledGrammar, GrammarCompiler, GrammarMatcher
-from .core_budget import CoreBudget
+from .core_budget import CoreBudget, wait_until_quiet
 from .generation import Generation, GenerationStats, Shared, Siblings, StepOutput
 from .recycling import recycle
 from .runner import ModelRunner, Work
@@ -150,11 +150,18 @@ class LookaheadDecoder:
             model = self.costs[self.cost_key] = self._new_cost_model()
         return model
 
-    def measure_cost(self, budget_s: float = 1.0) -> CostModel:
+    def measure_cost(self, budget_s: float = 1.0, quiet_wait_s: float = 0.0) -> CostModel:
         """Time this model's forward at a few widths (about budget_s seconds, see
-        ModelRunner.time_widths) and start the current curve from them. Before serving: a
-        forward's team that later shrinks or grows (`adaptive_threads`) starts its own curve from
-        this one's shape and learns its seconds from its steps, so serving never stops to measure."""
+        ModelRunner.time_widths) and start the current curve from them, first waiting up to
+        quiet_wait_s for other processes to leave the cores (core_budget.wait_until_quiet). Before
+        serving: a forward's team that later shrinks or grows (`adaptive_threads`) starts its own
+        curve from this one's shape and learns its seconds from its steps, so serving never stops
+        to measure."""
+        if quiet_wait_s > 0 and wait_until_quiet(quiet_wait_s) is None:
+            self.debug_log(
+                f"lookahead cost curve: other processes kept the cores busy for {quiet_wait_s:g} s; "
+                "timed beside them, the steps correct it"
+            )
         seconds = self.runner.time_widths(budget_s)
         if seconds:
             self.costs[self.cost_key] = CostModel.measured(seconds)

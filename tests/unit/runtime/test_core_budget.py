@@ -5,12 +5,19 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
-from lookahead.runtime.core_budget import SAMPLE_INTERVAL_S, CoreBudget, busy_seconds, cgroup_cpu_quota
+from lookahead.runtime.core_budget import (
+    SAMPLE_INTERVAL_S,
+    CoreBudget,
+    busy_seconds,
+    cgroup_cpu_quota,
+    wait_until_quiet,
+)
 
 
 class Machine:
@@ -107,3 +114,36 @@ def test_busy_seconds_sees_a_real_busy_process() -> None:
         child.wait()
     elsewhere = ((machine - start_machine) - (own - start_own)) / wall
     assert elsewhere >= 0.6, f"a spinning process kept only {elsewhere:.2f} cores busy"
+
+
+def test_waiting_until_quiet_ends_once_a_real_neighbour_stops() -> None:
+    """A spinning child keeps the wait going; once it is killed the next window is quiet."""
+    child = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    time.sleep(0.3)
+    killer = threading.Timer(1.0, child.kill)
+    killer.start()
+    try:
+        waited = wait_until_quiet(10.0)
+    finally:
+        killer.cancel()
+        child.kill()
+        child.wait()
+    assert waited is not None and 0.9 <= waited < 5.0, waited
+
+
+def test_a_machine_that_stays_busy_is_timed_anyway_after_the_timeout() -> None:
+    now = [0.0]
+    busy = iter(range(0, 10_000))  # each look: one more core-second busy elsewhere per window
+
+    def sleep(seconds: float) -> None:
+        now[0] += seconds
+
+    waited = wait_until_quiet(
+        2.0,
+        window_s=0.5,
+        clock=lambda: now[0],
+        own_seconds=lambda: 0.0,
+        machine_seconds=lambda cpus: float(next(busy)),
+        sleep=sleep,
+    )
+    assert waited is None and now[0] == pytest.approx(2.0)
