@@ -386,10 +386,11 @@ def test_the_trie_survives_a_restart(tmp_path, default_model):
 
 
 def test_a_request_chooses_its_drafter_and_the_output_stays_the_same(server, expected):
-    """Per request, `drafter` in sampling_parameters: the tries and copies, the model's recycled
-    candidates alone (warm: every verified row of the request before taught the table), or both;
-    each drafts, and every output is the library's. An unknown drafter is refused by name."""
-    for drafter in ("trie", "recycled", "hybrid"):
+    """Per request, `drafter` in sampling_parameters: both the tries and the model's recycled
+    candidates, those candidates alone (warm: the verified rows of the request before, whose drafter
+    reads them too, taught the table), or the tries and copies alone; each drafts, and every output
+    is the library's. An unknown drafter is refused by name."""
+    for drafter in ("hybrid", "recycled", "trie"):
         reply = generate(
             server,
             "lookahead",
