@@ -125,8 +125,7 @@ def agent(client: Any, model: str, index: int, task: str, turns: int, max_tokens
             "content": f"{task} has a bug with empty input. Read it with read_file, then find it.",
         },
     ]
-    name, _, drafter = model.partition(":")  # on a running --url: the served model with that drafter
-    extra = {"extra_body": {"drafter": drafter}} if drafter else {}
+    name, extra = served_as(model)
     done = []
     for number in range(1, turns + 1):
         started, first = time.perf_counter(), None
@@ -237,11 +236,17 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return check_comparison_arguments(parser, args)
 
 
+def served_as(model: str) -> tuple[str, dict[str, Any]]:
+    """The served model's name and the request options of a --models entry (NAME:DRAFTER, on a
+    running --url: the served model with that per-request drafter)."""
+    name, _, drafter = model.partition(":")
+    return name, {"extra_body": {"drafter": drafter}} if drafter else {}
+
+
 def warm_up(client: Any, model: str) -> None:
     """One untimed request of one token, sharing no text with the tasks' prompts: the first
     request of a run otherwise pays for what the frontend and the model set up on first use."""
-    name, _, drafter = model.partition(":")
-    extra = {"extra_body": {"drafter": drafter}} if drafter else {}
+    name, extra = served_as(model)
     client.chat.completions.create(
         **extra, model=name, messages=[{"role": "user", "content": "Hello"}], max_tokens=1
     )

@@ -85,7 +85,7 @@ def check_comparison_arguments(
 def drafter_repository(repository: Path, models: list[str], out: Path) -> Path:
     """A repository in out/model_repository serving repository's models and, for each NAME:DRAFTER,
     NAME_DRAFTER: NAME's folder with that `drafter` in its config.pbtxt."""
-    import re
+    from bench.fleet import set_parameter
 
     served = out.resolve() / "model_repository"
     shutil.rmtree(served, ignore_errors=True)
@@ -102,13 +102,7 @@ def drafter_repository(repository: Path, models: list[str], out: Path) -> Path:
         for entry in source.iterdir():
             if entry.name != "config.pbtxt":
                 (target / entry.name).symlink_to(entry, target_is_directory=entry.is_dir())
-        config, replaced = re.subn(
-            r'(\{ key: "drafter", value: \{ string_value: )"[^"]*"',
-            rf'\1"{drafter}"',
-            (source / "config.pbtxt").read_text(),
-        )
-        if replaced != 1:
-            raise ValueError(f"{source / 'config.pbtxt'} sets no drafter")
+        config = set_parameter((source / "config.pbtxt").read_text(), "drafter", drafter)
         (target / "config.pbtxt").write_text(config)
     return served
 
