@@ -69,10 +69,13 @@ inline int32_t four_bytes(const int8_t* p) {
 
 // Rows [r0, r0 + Rows) x blocks [b0, b0 + Blocks). `next`: the first block of the tile that follows
 // (prefetched while this one computes), or -1.
-template <int Rows, int Blocks, class Chunks, class Scale, bool Offsets>
+// GroupChunks: the chunks of 8 inputs in a scale group when fixed at compile time (kIntUnrollGroups:
+// the chunk loop unrolls and every sum keeps its register), 0 to count them at run time.
+template <int Rows, int Blocks, int GroupChunks, class Chunks, class Scale, bool Offsets>
 void tile(const QuantisedRows& x, int64_t r0, const Chunks& w, const IntegerWeights& form, int64_t b0, float* y,
           int64_t next) {
-  const int64_t K = form.K, group = form.group, groups = K / group, chunks_per_group = group / 8;
+  const int64_t K = form.K, group = form.group, groups = K / group;
+  const int64_t chunks_per_group = GroupChunks > 0 ? GroupChunks : group / 8;
   F32x16 acc[Rows][Blocks];
 #pragma GCC unroll 16
   for (int r = 0; r < Rows; ++r)
@@ -89,7 +92,7 @@ void tile(const QuantisedRows& x, int64_t r0, const Chunks& w, const IntegerWeig
 #pragma GCC unroll 16
       for (int j = 0; j < Blocks; ++j) sums[r][j] = start;
     }
-    for (int64_t c = g * chunks_per_group; c < (g + 1) * chunks_per_group; ++c) {
+    const auto chunk = [&](int64_t c) {
       typename Chunks::Prepared first[Blocks], second[Blocks];
 #pragma GCC unroll 16
       for (int j = 0; j < Blocks; ++j) {
@@ -105,6 +108,12 @@ void tile(const QuantisedRows& x, int64_t r0, const Chunks& w, const IntegerWeig
           sums[r][j].add(second[j], x1);
         }
       }
+    };
+    if constexpr (GroupChunks > 0) {
+#pragma GCC unroll 4
+      for (int i = 0; i < GroupChunks; ++i) chunk(g * GroupChunks + i);
+    } else {
+      for (int64_t c = g * chunks_per_group; c < (g + 1) * chunks_per_group; ++c) chunk(c);
     }
 #pragma GCC unroll 16
     for (int j = 0; j < Blocks; ++j) {
@@ -151,10 +160,15 @@ void tile(const QuantisedRows& x, int64_t r0, const Chunks& w, const IntegerWeig
 template <int Blocks, class Chunks, class Scale, bool Offsets>
 void tile_rows(int rows, const QuantisedRows& x, int64_t r0, const Chunks& w, const IntegerWeights& form, int64_t b0,
                float* y, int64_t next) {
-  switch (rows) {
-#define ROWS_CASE(R) \
-  case R:            \
-    return tile<R, Blocks, Chunks, Scale, Offsets>(x, r0, w, form, b0, y, next);
+  const int group_chunks = kIntUnrollGroups ? static_cast<int>(form.group / 8) : 0;
+  switch (rows * 8 + group_chunks) {
+#define ROWS_CASE(R)                                                                \
+  case 8 * R:                                                                       \
+    return tile<R, Blocks, 0, Chunks, Scale, Offsets>(x, r0, w, form, b0, y, next); \
+  case 8 * R + 2:                                                                   \
+    return tile<R, Blocks, 2, Chunks, Scale, Offsets>(x, r0, w, form, b0, y, next); \
+  case 8 * R + 4:                                                                   \
+    return tile<R, Blocks, 4, Chunks, Scale, Offsets>(x, r0, w, form, b0, y, next);
     ROWS_CASE(1) ROWS_CASE(2)
 #if defined(__AVX512F__)
     ROWS_CASE(3) ROWS_CASE(4) ROWS_CASE(5) ROWS_CASE(6)

@@ -101,8 +101,10 @@ inline I32x16 dot_signed(const I32x16& acc, const SignedQ8x64& w, int32_t x4) {
   return {_mm512_dpbusd_epi32(acc.v, w.biased, _mm512_set1_epi32(x4))};
 }
 inline I32x16 signed_start(int32_t activation_sum) { return I32x16::broadcast(-128 * activation_sum); }
-// Integer tiles: rows x blocks of int32 and fp32 accumulators.
+// Integer tiles: rows x blocks of int32 and fp32 accumulators. A scale group's chunks unroll: with
+// a run-time count GCC copies every sum between registers on each pass.
 constexpr int64_t kIntFewRows = 2, kIntWideBlocks = 4, kIntBlocks = 2, kIntMaxRows = 6;
+constexpr bool kIntUnrollGroups = true;
 #define LOOKAHEAD_DOT_INTO_INT32 1
 #else
 #error "the avx512 variant needs AVX512-VNNI and AVX512BW (-mavx512vnni -mavx512bw)"
@@ -210,8 +212,10 @@ constexpr int64_t kFewRows = 2, kWideBlocks = 2, kBlocks = 1, kMaxRows = 6;
 constexpr bool kScalesInRegisters = false;
 constexpr int64_t kRebuildTiles = 2;
 constexpr int64_t kAttentionAccumulators = 4;
-// Integer tiles (two int32 and two fp32 registers per row and block).
+// Integer tiles (two int32 and two fp32 registers per row and block). Unrolling a scale group's
+// chunks would spill: sixteen registers do not hold them.
 constexpr int64_t kIntFewRows = 1, kIntWideBlocks = 2, kIntBlocks = 1, kIntMaxRows = 2;
+constexpr bool kIntUnrollGroups = false;
 
 #if defined(__AVXVNNI__)
 constexpr const char* kIntegerDot = "avx-vnni";
