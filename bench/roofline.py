@@ -11,6 +11,12 @@ entries) over the measured bandwidth, and its operations (multiply-adds count tw
 peak of the arithmetic that path uses. Each path is timed in a block of its own, the blocks
 alternating over two rounds (as bench_forward does).
 
+With the integer kernel, also its own rate on a matrix held in cache (576 x 3072, the shape of a
+small model's gate/up matrix), for int4 weights with offsets (Q4_1's and Q4_K's shape) and int8 weights
+(Q8_0's), over 1 to 64 rows: how much of the dot-product peak the kernel reaches once memory is out
+of the way. Each 32-input group of a row and 16 outputs takes, beside its dot products, the
+conversion and scaling of its sum, and that arithmetic shares the dot products' ports.
+
 The breakdown of a one-token forward per path: the layer stack's steps (the fused stack's own
 timers: each matrix kind, attention, norms/RoPE/SiLU/quantisation, hand-offs between threads), or
 for the lean stack its matrices timed alone and the rest; the LM head alone; what the model's
@@ -71,6 +77,58 @@ def measure_peaks(variant: Any, threads: tuple[int, ...]) -> Peaks:
         {t: best(lambda t=t: extension.fma_peak(t, 20_000_000)) / 1e9 for t in threads},
         {t: best(lambda t=t: extension.int8_dot_peak(t, 20_000_000)) / 1e9 for t in threads},
     )
+
+
+IN_CACHE_SHAPE = (3072, 576)  # outputs, inputs: ~1 MB of int4, within L2
+IN_CACHE_ROWS = (1, 8, 16, 64)
+
+
+def in_cache_rates(variant: Any, threads: int) -> dict[str, dict[int, float]]:
+    """GOP/s of the integer kernel on a cached matrix, by weight form and row count (the fastest of
+    five blocks of 50 products)."""
+    from lookahead.cpu.extension import load_extension
+    from lookahead.cpu.integer_forms import IntegerForm
+    from lookahead.cpu.packed_linear import PackedWeights
+
+    extension = load_extension(variant)
+    generator = torch.Generator().manual_seed(0)
+    N, K = IN_CACHE_SHAPE
+    scales = (torch.rand(N, K // 32, generator=generator) * 0.01).half()
+    forms = {
+        "int4 + offsets": IntegerForm(
+            torch.randint(0, 16, (N, K), dtype=torch.int8, generator=generator),
+            scales,
+            (-torch.rand(N, K // 32, generator=generator) * 0.05).half(),
+            32,
+        ),
+        "int8": IntegerForm(
+            torch.randint(-127, 128, (N, K), dtype=torch.int8, generator=generator),
+            scales,
+            torch.zeros(N, K // 32).half(),
+            32,
+        ),
+    }
+    rates: dict[str, dict[int, float]] = {}
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for name, form in forms.items():
+            matrix = PackedWeights.of(form, None, extension, "int8")
+            rates[name] = {}
+            for rows in IN_CACHE_ROWS:
+                x = torch.randn(rows, K, generator=generator)
+                for _ in range(20):
+                    matrix.product(x)
+                best = float("inf")
+                for _ in range(5):
+                    started = time.perf_counter()
+                    for _ in range(50):
+                        matrix.product(x)
+                    best = min(best, (time.perf_counter() - started) / 50)
+                rates[name][rows] = 2 * rows * N * K / best / 1e9
+    finally:
+        torch.set_num_threads(previous)
+    return rates
 
 
 @dataclass(frozen=True)
@@ -264,7 +322,20 @@ def main(argv: list[str] | None = None) -> int:
             + "; int8 dot "
             + ", ".join(f"{g:.0f} GOP/s ({t} thr)" for t, g in p.int8_gop_s.items())
         )
-    paths = [(kernel, variant.name) for kernel in args.kernels.split(",") for variant in variants]
+    kernels = args.kernels.split(",")
+    in_cache = {}
+    if "integer" in kernels:
+        for variant in variants:
+            in_cache[variant.name] = in_cache_rates(variant, args.threads)
+            peak = peaks[variant.name].int8_gop_s[args.threads]
+            for form, rates in in_cache[variant.name].items():
+                print(
+                    f"  {variant.name} integer kernel in cache, {form}: "
+                    + ", ".join(
+                        f"{rows} rows {gop:.0f} GOP/s ({gop / peak:.0%})" for rows, gop in rates.items()
+                    )
+                )
+    paths = [(kernel, variant.name) for kernel in kernels for variant in variants]
     decoders = {path: prefilled_decoder(args.model, "-".join(path), args.cached) for path in paths}
     samples: dict[tuple[str, str], dict[int, list[float]]] = {
         path: {q: [] for q in NEW_TOKENS} for path in paths
@@ -276,7 +347,11 @@ def main(argv: list[str] | None = None) -> int:
                     forward_seconds(decoder, q, args.cached)
                 for _ in range(-(-args.repeats // 2)):
                     samples[path][q].append(forward_seconds(decoder, q, args.cached))
-    report: dict[str, Any] = {"peaks": {name: asdict(p) for name, p in peaks.items()}, "paths": {}}
+    report: dict[str, Any] = {
+        "peaks": {name: asdict(p) for name, p in peaks.items()},
+        "integer_in_cache_gop_s": in_cache,
+        "paths": {},
+    }
     for path, decoder in decoders.items():
         kernel, variant = path
         medians = {q: statistics.median(s) * 1e3 for q, s in samples[path].items()}
