@@ -75,7 +75,6 @@ template <int Rows, int Blocks, int GroupChunks, class Chunks, class Scale, bool
 void tile(const QuantisedRows& x, int64_t r0, const Chunks& w, const IntegerWeights& form, int64_t b0, float* y,
           int64_t next) {
   const int64_t K = form.K, group = form.group, groups = K / group;
-  const int64_t chunks_per_group = GroupChunks > 0 ? GroupChunks : group / 8;
   F32x16 acc[Rows][Blocks];
 #pragma GCC unroll 16
   for (int r = 0; r < Rows; ++r)
@@ -113,7 +112,7 @@ void tile(const QuantisedRows& x, int64_t r0, const Chunks& w, const IntegerWeig
 #pragma GCC unroll 4
       for (int i = 0; i < GroupChunks; ++i) chunk(g * GroupChunks + i);
     } else {
-      for (int64_t c = g * chunks_per_group; c < (g + 1) * chunks_per_group; ++c) chunk(c);
+      for (int64_t c = g * (group / 8); c < (g + 1) * (group / 8); ++c) chunk(c);
     }
 #pragma GCC unroll 16
     for (int j = 0; j < Blocks; ++j) {
@@ -157,18 +156,26 @@ void tile(const QuantisedRows& x, int64_t r0, const Chunks& w, const IntegerWeig
   }
 }
 
+// tile<Rows, ...> with the group's chunk count fixed where the variant unrolls it: a group is 16 or 32
+// inputs (PackedMatrix checks it).
+template <int Rows, int Blocks, class Chunks, class Scale, bool Offsets>
+void tile_of_group(const QuantisedRows& x, int64_t r0, const Chunks& w, const IntegerWeights& form, int64_t b0,
+                   float* y, int64_t next) {
+  if constexpr (kIntUnrollGroups) {
+    if (form.group == 16) return tile<Rows, Blocks, 2, Chunks, Scale, Offsets>(x, r0, w, form, b0, y, next);
+    return tile<Rows, Blocks, 4, Chunks, Scale, Offsets>(x, r0, w, form, b0, y, next);
+  } else {
+    return tile<Rows, Blocks, 0, Chunks, Scale, Offsets>(x, r0, w, form, b0, y, next);
+  }
+}
+
 template <int Blocks, class Chunks, class Scale, bool Offsets>
 void tile_rows(int rows, const QuantisedRows& x, int64_t r0, const Chunks& w, const IntegerWeights& form, int64_t b0,
                float* y, int64_t next) {
-  const int group_chunks = kIntUnrollGroups ? static_cast<int>(form.group / 8) : 0;
-  switch (rows * 8 + group_chunks) {
-#define ROWS_CASE(R)                                                                \
-  case 8 * R:                                                                       \
-    return tile<R, Blocks, 0, Chunks, Scale, Offsets>(x, r0, w, form, b0, y, next); \
-  case 8 * R + 2:                                                                   \
-    return tile<R, Blocks, 2, Chunks, Scale, Offsets>(x, r0, w, form, b0, y, next); \
-  case 8 * R + 4:                                                                   \
-    return tile<R, Blocks, 4, Chunks, Scale, Offsets>(x, r0, w, form, b0, y, next);
+  switch (rows) {
+#define ROWS_CASE(R) \
+  case R:            \
+    return tile_of_group<R, Blocks, Chunks, Scale, Offsets>(x, r0, w, form, b0, y, next);
     ROWS_CASE(1) ROWS_CASE(2)
 #if defined(__AVX512F__)
     ROWS_CASE(3) ROWS_CASE(4) ROWS_CASE(5) ROWS_CASE(6)
