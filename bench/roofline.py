@@ -83,9 +83,9 @@ IN_CACHE_SHAPE = (3072, 576)  # outputs, inputs: ~1 MB of int4, within L2
 IN_CACHE_ROWS = (1, 8, 16, 64)
 
 
-def in_cache_rates(variant: Any, threads: int) -> dict[str, dict[int, float]]:
+def in_cache_rates(variant: Any) -> dict[str, dict[int, float]]:
     """GOP/s of the integer kernel on a cached matrix, by weight form and row count (the fastest of
-    five blocks of 50 products)."""
+    five blocks of 50 products), on torch's thread count."""
     from lookahead.cpu.extension import load_extension
     from lookahead.cpu.integer_forms import IntegerForm
     from lookahead.cpu.packed_linear import PackedWeights
@@ -109,25 +109,20 @@ def in_cache_rates(variant: Any, threads: int) -> dict[str, dict[int, float]]:
         ),
     }
     rates: dict[str, dict[int, float]] = {}
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        for name, form in forms.items():
-            matrix = PackedWeights.of(form, None, extension, "int8")
-            rates[name] = {}
-            for rows in IN_CACHE_ROWS:
-                x = torch.randn(rows, K, generator=generator)
-                for _ in range(20):
+    for name, form in forms.items():
+        matrix = PackedWeights.of(form, None, extension, "int8")
+        rates[name] = {}
+        for rows in IN_CACHE_ROWS:
+            x = torch.randn(rows, K, generator=generator)
+            for _ in range(20):
+                matrix.product(x)
+            best = float("inf")
+            for _ in range(5):
+                started = time.perf_counter()
+                for _ in range(50):
                     matrix.product(x)
-                best = float("inf")
-                for _ in range(5):
-                    started = time.perf_counter()
-                    for _ in range(50):
-                        matrix.product(x)
-                    best = min(best, (time.perf_counter() - started) / 50)
-                rates[name][rows] = 2 * rows * N * K / best / 1e9
-    finally:
-        torch.set_num_threads(previous)
+                best = min(best, (time.perf_counter() - started) / 50)
+            rates[name][rows] = 2 * rows * N * K / best / 1e9
     return rates
 
 
@@ -326,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     in_cache = {}
     if "integer" in kernels:
         for variant in variants:
-            in_cache[variant.name] = in_cache_rates(variant, args.threads)
+            in_cache[variant.name] = in_cache_rates(variant)
             peak = peaks[variant.name].int8_gop_s[args.threads]
             for form, rates in in_cache[variant.name].items():
                 print(
