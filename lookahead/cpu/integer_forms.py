@@ -26,6 +26,7 @@ import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from safetensors import SafetensorError
@@ -43,14 +44,26 @@ _SEARCH_VERSION = "1"
 Candidates = Callable[[torch.Tensor], Iterator[tuple[torch.Tensor, torch.Tensor]]]
 
 
+class ScaleFactors(Protocol):
+    """d == d_super * d_sub and m == m_super * m_sub exactly: an fp16 super-scale per 256 inputs
+    times an int8 sub-scale per group, as K-quant files keep their scales."""
+
+    d_super: torch.Tensor  # fp16 [N, K // 256]
+    d_sub: torch.Tensor  # int8 [N, K // group]
+    m_super: torch.Tensor
+    m_sub: torch.Tensor
+
+
 @dataclass(frozen=True)
 class IntegerForm:
-    """weight == fl(d * q + m) bit for bit, with d and m repeated over each `group` inputs."""
+    """weight == fl(d * q + m) bit for bit, with d and m repeated over each `group` inputs;
+    `factors`, where known, the factors of d and m."""
 
     q: torch.Tensor  # int8 [N, K]
     d: torch.Tensor  # [N, K // group], fp16 or fp32
     m: torch.Tensor
     group: int
+    factors: ScaleFactors | None = None
 
     @property
     def nibbles(self) -> bool:

@@ -7,7 +7,9 @@ Weights that are exactly a dequantised 4- to 8-bit checkpoint (integer_forms.py:
 model's Q4_1, Qwen's Q4_K, Q5_0, Q6_K and Q8_0) are kept as integers and fp16 or fp32 scales
 the kernel rebuilds them from bit for bit: a byte per weight (int8 form), or half a byte where
 every integer is in 0..15 (int4 form), plus the scales, so a step streams a sixth to a third of
-the fp32 bytes. A caller that knows a layer's form (a GGUF file's blocks: KnownForms) hands it
+the fp32 bytes. For the integer kernel a form takes as few bits as hold its integers (int5, int6:
+a nibble and one or two planes of high bits) and keeps a K-quant's scales as their file does
+(ScaleFactors), so a step streams about what the file holds. A caller that knows a layer's form (a GGUF file's blocks: KnownForms) hands it
 over instead, and that weight never exists in fp32.
 
 Two kinds of activations meet those integers. fp32 activations ("packed" kernel): the kernel
@@ -22,13 +24,14 @@ path produce the same logits bit for bit.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from types import ModuleType
 from typing import Protocol
 
 import torch
 from torch import nn
 
-from .integer_forms import IntegerForm, cached_integer_form
+from .integer_forms import IntegerForm, ScaleFactors, cached_integer_form
 
 _LANES = 16  # outputs per packed block, as in csrc/packed_linear.cpp
 _ACTIVATION_BLOCK = 32  # inputs per activation scale of the integer kernel
@@ -36,7 +39,8 @@ ACTIVATIONS = ("fp32", "int8")
 
 
 class LogicalForm(Protocol):
-    """An integer form given by the caller (a GGUF file's blocks): weight == fl(d * q + m)."""
+    """An integer form given by the caller (a GGUF file's blocks): weight == fl(d * q + m), and
+    optionally `factors` (ScaleFactors) of d and m."""
 
     q: torch.Tensor  # integer [N, K], int8 range
     d: torch.Tensor  # [N, K // group], fp16 or fp32
@@ -111,25 +115,43 @@ class PackedWeights(nn.Module):
             self.form = "fp32"
             self.register_buffer("weight_packed", _pack_columns(weights.detach().float()))
         else:
-            self.form = "int4" if weights.nibbles else "int8"
+            zero_point = 0
             if self.activations == "int8":
-                q_packed = _pack_quads(weights.q, nibbles=self.form == "int4")
+                self.form, zero_point = _smallest_form(weights.q)
+                stored = weights.q  # the integers as stored: q + zero point
+                if zero_point:
+                    stored = (stored.to(torch.int16) + zero_point).to(torch.uint8)
+                nibbles = self.form != "int8"
+                q_packed = _pack_quads(stored & 15 if nibbles else stored, nibbles=nibbles)
+                if self.form in ("int5", "int6"):
+                    self.register_buffer("high_packed", _pack_high_bits(stored >> 4, int(self.form[3]) - 4))
             else:
+                self.form = "int4" if weights.nibbles else "int8"
                 q_packed = _pack_columns(weights.q)
                 if self.form == "int4":  # inputs 2k and 2k + 1 share a byte, low nibble first
                     q_packed = (q_packed[:, 0::2] | (q_packed[:, 1::2] << 4)).view(torch.uint8)
             self.register_buffer("q_packed", q_packed)
-            self.register_buffer("d_packed", _pack_columns(weights.d))
-            self.register_buffer("m_packed", _pack_columns(weights.m))
+            factors = _exact_factors(weights) if self.activations == "int8" else None
+            scales = (weights.d, weights.m) if factors is None else (factors.d_sub, factors.m_sub)
+            self.register_buffer("d_packed", _pack_columns(scales[0]))
+            self.register_buffer("m_packed", _pack_columns(scales[1]))
+            if factors is not None:
+                self.register_buffer("d_super_packed", _pack_columns(factors.d_super))
+                self.register_buffer("m_super_packed", _pack_columns(factors.m_super))
         self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
+        integer = self.form != "fp32"
         self.matrix = extension.PackedMatrix(  # holds the buffers above, not copies
             self.form,
-            self.weight_packed if self.form == "fp32" else self.q_packed,
-            None if self.form == "fp32" else self.d_packed,
-            None if self.form == "fp32" else self.m_packed,
+            self.q_packed if integer else self.weight_packed,
+            self.d_packed if integer else None,
+            self.m_packed if integer else None,
             self.bias,
             self.out_features,
             self.activations,
+            high=getattr(self, "high_packed", None),
+            zero_point=zero_point if integer else 0,
+            d_super=getattr(self, "d_super_packed", None),
+            m_super=getattr(self, "m_super_packed", None),
         )
         self._siblings = siblings
         self._shared: tuple[torch.Tensor, torch.Tensor] | None = None  # (input, product)
@@ -154,9 +176,12 @@ class PackedWeights(nn.Module):
         if self.form == "fp32":
             buffers = [self.weight_packed]
         else:
-            buffers = [self.q_packed, self.d_packed]
+            extras = ("high_packed", "d_super_packed")
+            buffers = [self.q_packed, self.d_packed] + [getattr(self, n) for n in extras if hasattr(self, n)]
             if bool(self.m_packed.abs().max() != 0):
                 buffers.append(self.m_packed)
+                if hasattr(self, "m_super_packed"):
+                    buffers.append(self.m_super_packed)
         if self.bias is not None:
             buffers.append(self.bias)
         return sum(b.numel() * b.element_size() for b in buffers)
@@ -210,6 +235,60 @@ def _pack_quads(q: torch.Tensor, nibbles: bool) -> torch.Tensor:
     octets = padded.view(-1, _LANES, inputs // 8, 2, 4).to(torch.uint8)
     merged = octets[:, :, :, 0] | (octets[:, :, :, 1] << 4)
     return merged.transpose(1, 2).contiguous()
+
+
+def _smallest_form(q: torch.Tensor) -> tuple[str, int]:
+    """The fewest bits that hold q for the integer kernel: (form, zero point), the integers stored
+    being q + zero point, unsigned in all but int8 (csrc/integer_linear.h)."""
+    low, high = int(q.min()), int(q.max())
+    if low >= 0 and high <= 15:
+        return "int4", 0
+    for bits in (5, 6):
+        zero_point = 0 if low >= 0 else 1 << (bits - 1)
+        if low + zero_point >= 0 and high + zero_point < 1 << bits:
+            return f"int{bits}", zero_point
+    return "int8", 0
+
+
+def _pack_high_bits(high: torch.Tensor, planes: int) -> torch.Tensor:
+    """The bits above the nibbles, high [N, K] < 2^planes, as the int5 / int6 forms keep them
+    (csrc/integer_linear.h): per block of 16 outputs, one 64-byte vector per 32 // planes inputs;
+    in it, each four-input half of a chunk of 8 as the int4 form places its bytes, half h of the
+    vector's 8 // planes at bit (4 + planes * h) % 8. uint8 [ceil(N / 16), K * planes / 32, 64]."""
+    padded = _padded_rows(high).to(torch.uint8)
+    inputs = high.shape[1]
+    per_vector = 8 // planes  # halves
+    # [blocks, 16 outputs, K / 4 halves, 4 inputs] -> [blocks, halves, 64 bytes (output, input)]
+    halves = padded.view(-1, _LANES, inputs // 4, 4).transpose(1, 2).reshape(-1, inputs // 4, 4 * _LANES)
+    halves = halves.view(halves.shape[0], -1, per_vector, 4 * _LANES)
+    vectors = torch.zeros(halves.shape[0], halves.shape[1], 4 * _LANES, dtype=torch.uint8)
+    for h in range(per_vector):
+        vectors |= halves[:, :, h] << ((4 + planes * h) % 8)
+    return vectors
+
+
+def _exact_factors(form: IntegerForm) -> ScaleFactors | None:
+    """The form's scale factors where it has them and they give its d and m exactly (as the kernel
+    multiplies them, in fp32), else None: the kernel reads d and m themselves."""
+    factors = form.factors
+    if factors is None or form.q.shape[1] % 256:
+        return None
+    per_super = 256 // form.group
+
+    def product(super_: torch.Tensor, sub: torch.Tensor) -> torch.Tensor:
+        return super_.float().repeat_interleave(per_super, dim=1) * sub.float()
+
+    exact = all(
+        sub.dtype == torch.int8
+        and super_.dtype == torch.float16
+        and sub.shape == scale.shape
+        and bool((product(super_, sub) == scale.float()).all())
+        for super_, sub, scale in (
+            (factors.d_super, factors.d_sub, form.d),
+            (factors.m_super, factors.m_sub, form.m),
+        )
+    )
+    return factors if exact else None
 
 
 def _padded_rows(matrix: torch.Tensor) -> torch.Tensor:
@@ -306,17 +385,36 @@ def _joined(forms: list[LogicalForm]) -> IntegerForm:
     groups it spans), fp32 scales unless all are fp16 (fp16 -> fp32 is exact)."""
     if len(forms) == 1:
         form = forms[0]
-        return IntegerForm(form.q.to(torch.int8), form.d, form.m, form.group)
+        return IntegerForm(form.q.to(torch.int8), form.d, form.m, form.group, getattr(form, "factors", None))
     group = min(form.group for form in forms)
     half = all(form.d.dtype == torch.float16 for form in forms)
     scale = torch.float16 if half else torch.float32
 
-    def widened(scales: torch.Tensor, form: LogicalForm) -> torch.Tensor:
-        return scales.to(scale).repeat_interleave(form.group // group, dim=1)
+    def widened(scales: torch.Tensor, form: LogicalForm, dtype: torch.dtype = scale) -> torch.Tensor:
+        return scales.to(dtype).repeat_interleave(form.group // group, dim=1)
 
+    factors = None
+    if all(getattr(form, "factors", None) is not None for form in forms):
+        factors = _Factors(
+            torch.cat([form.factors.d_super for form in forms]),
+            torch.cat([widened(form.factors.d_sub, form, torch.int8) for form in forms]),
+            torch.cat([form.factors.m_super for form in forms]),
+            torch.cat([widened(form.factors.m_sub, form, torch.int8) for form in forms]),
+        )
     return IntegerForm(
         torch.cat([form.q.to(torch.int8) for form in forms]),
         torch.cat([widened(form.d, form) for form in forms]),
         torch.cat([widened(form.m, form) for form in forms]),
         group,
+        factors,
     )
+
+
+@dataclass(frozen=True)
+class _Factors:
+    """Scale factors of forms joined by rows (ScaleFactors)."""
+
+    d_super: torch.Tensor
+    d_sub: torch.Tensor
+    m_super: torch.Tensor
+    m_sub: torch.Tensor

@@ -1,6 +1,8 @@
 // The Python module of the fast CPU path (lookahead/cpu/extension.py builds one per variant):
 // packed matrices, lean layers, the pool step of the layer stacks, the roofline probes, the top
 // candidates of logits.
+#include <map>
+
 #include "fused_stack.h"
 #include "lean_layer.h"
 #include "roofline.h"
@@ -11,14 +13,19 @@ namespace {
 
 PackedMatrix packed_matrix(const std::string& form, torch::Tensor weights, std::optional<torch::Tensor> d,
                            std::optional<torch::Tensor> m, std::optional<torch::Tensor> bias, int64_t N,
-                           const std::string& activations) {
+                           const std::string& activations, std::optional<torch::Tensor> high, int64_t zero_point,
+                           std::optional<torch::Tensor> d_super, std::optional<torch::Tensor> m_super) {
   using Form = PackedMatrix::Form;
-  TORCH_CHECK(form == "fp32" || form == "int8" || form == "int4", "unknown packed form ", form);
+  const std::map<std::string, Form> forms{{"fp32", Form::kFp32}, {"int8", Form::kInt8}, {"int4", Form::kInt4},
+                                          {"int5", Form::kInt5}, {"int6", Form::kInt6}};
+  const auto kind = forms.find(form);
+  TORCH_CHECK(kind != forms.end(), "unknown packed form ", form);
   TORCH_CHECK(activations == "fp32" || activations == "int8", "activations are fp32 or int8, not ", activations);
-  const Form kind = form == "fp32" ? Form::kFp32 : form == "int8" ? Form::kInt8 : Form::kInt4;
-  TORCH_CHECK(kind == Form::kFp32 || (d && m), "an integer form needs its scales");
-  return PackedMatrix(kind, activations == "int8", std::move(weights), d.value_or(torch::Tensor()),
-                      m.value_or(torch::Tensor()), bias.value_or(torch::Tensor()), N);
+  TORCH_CHECK(kind->second == Form::kFp32 || (d && m), "an integer form needs its scales");
+  IntegerExtras extras{high.value_or(torch::Tensor()), zero_point, d_super.value_or(torch::Tensor()),
+                                     m_super.value_or(torch::Tensor())};
+  return PackedMatrix(kind->second, activations == "int8", std::move(weights), d.value_or(torch::Tensor()),
+                      m.value_or(torch::Tensor()), bias.value_or(torch::Tensor()), N, std::move(extras));
 }
 
 using NormWeights = std::pair<torch::Tensor, double>;  // (weight, eps), as Python passes them
@@ -44,7 +51,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
              pybind11::arg("rows"), pybind11::arg("k"), ReleaseGil());
   pybind11::class_<PackedMatrix>(module, "PackedMatrix", pybind11::module_local())
       .def(pybind11::init(&packed_matrix), pybind11::arg("form"), pybind11::arg("weights"), pybind11::arg("d"),
-           pybind11::arg("m"), pybind11::arg("bias"), pybind11::arg("N"), pybind11::arg("activations") = "fp32")
+           pybind11::arg("m"), pybind11::arg("bias"), pybind11::arg("N"), pybind11::arg("activations") = "fp32",
+           pybind11::arg("high") = pybind11::none(), pybind11::arg("zero_point") = 0,
+           pybind11::arg("d_super") = pybind11::none(), pybind11::arg("m_super") = pybind11::none())
       .def("__call__", &PackedMatrix::operator(), "rows [M, K] -> [M, N]", ReleaseGil());
   pybind11::class_<LeanLayer>(module, "LeanLayer", pybind11::module_local())
       .def(pybind11::init([](PackedMatrix qkv, PackedMatrix o, PackedMatrix gate_up, PackedMatrix down,

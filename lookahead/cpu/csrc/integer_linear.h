@@ -30,16 +30,29 @@ struct QuantisedRows {
   void quantise(const float* x, int64_t begin, int64_t end);
 };
 
-// An integer form packed for the dot products: q as [blocks][K / 4][16][4] int8 (int8 form: the
-// four consecutive inputs of each of 16 outputs side by side) or [blocks][K / 8][16][4] uint8 (int4
-// form: input k + i in the low nibble of byte i, k + 4 + i in the high one), scales d and m as
-// [blocks][K / group][16] fp16 or fp32.
+// An integer form packed for the dot products. The integers stored are u = q + zero_point, u >= 0
+// for every form but int8:
+// - int8 (`bits` 8): q as [blocks][K / 4][16][4] int8, the four consecutive inputs of each of 16
+//   outputs side by side;
+// - int4 (4): u in 0..15 as [blocks][K / 8][16][4] uint8, input k + i in the low nibble of byte i,
+//   k + 4 + i in the high one;
+// - int5 and int6 (5, 6): u's low four bits as int4, its one or two high bits in `high`, one
+//   [blocks][K / 8 / span][64] uint8 vector per span of chunks (int5: 4 chunks of 8 inputs, int6:
+//   2). Byte b of a vector holds the high bits of byte b (as int4 places inputs) of each of the
+//   span's 2 x span four-input halves, half h at bit (4 + planes * h) % 8.
+// Scales d and m as [blocks][K / group][16] fp16 or fp32, or factored (`factored`): int8 sub-scales
+// there times fp16 super-scales [blocks][K / 256][16] (d_super, m_super), a product exact in fp32.
 struct IntegerWeights {
-  bool int4;
+  int bits;
   const void* q;
+  const uint8_t* high;  // int5 and int6 only
+  int32_t zero_point;
   const void* d;
   const void* m;
+  const uint16_t* d_super;  // factored scales only
+  const uint16_t* m_super;
   bool half_scales;
+  bool factored;
   bool offsets;  // false when every m is zero: the offset term is skipped
   const float* bias;  // nullptr when there is none
   int64_t K, N, group, blocks;

@@ -336,6 +336,22 @@ void check_scales(const torch::Tensor& d, const torch::Tensor& m, int64_t K) {
   TORCH_CHECK(group == 16 || group == 32, "a group of 16 or 32 inputs shares one scale, not ", group);
 }
 
+// Int8 sub-scales per group (16 or 32 inputs) and fp16 super-scales per 256 inputs.
+void check_factored_scales(const torch::Tensor& d, const torch::Tensor& m, const torch::Tensor& d_super,
+                           const torch::Tensor& m_super, int64_t K) {
+  check_packed(d, torch::kInt8, 3, "d");
+  check_packed(m, torch::kInt8, 3, "m");
+  TORCH_CHECK(d.sizes() == m.sizes() && d.size(1) > 0 && K % d.size(1) == 0, "scale shapes");
+  const int64_t group = K / d.size(1);
+  TORCH_CHECK(group == 16 || group == 32, "a group of 16 or 32 inputs shares one scale, not ", group);
+  TORCH_CHECK(K % 256 == 0, "factored scales need a multiple of 256 inputs, not ", K);
+  TORCH_CHECK(d_super.defined() && m_super.defined(), "factored scales need their super-scales");
+  check_packed(d_super, torch::kHalf, 3, "d_super");
+  check_packed(m_super, torch::kHalf, 3, "m_super");
+  TORCH_CHECK(d_super.sizes() == m_super.sizes() && d_super.size(0) == d.size(0) && d_super.size(1) * 256 == K,
+              "super-scale shapes");
+}
+
 template <class Scale>
 Scales<Scale> scales_of(const torch::Tensor& d, const torch::Tensor& m, int64_t K) {
   const int64_t group = K / d.size(1);
@@ -362,19 +378,23 @@ void fp32_activation_units(const PackedMatrix& matrix, const float* x, int64_t M
       const Int4Weights<Scale> w{{scales_of<Scale>(matrix.d, matrix.m, K), K}, matrix.weights.data_ptr<uint8_t>()};
       return fp32_units(x, w, blocks, y, M, N, begin, end);
     }
+    case PackedMatrix::Form::kInt5:
+    case PackedMatrix::Form::kInt6:
+      TORCH_CHECK(false, "int5 and int6 forms take int8 activations only");
   }
 }
 
 }  // namespace
 
 PackedMatrix::PackedMatrix(Form form, bool integer_activations, torch::Tensor weights, torch::Tensor d,
-                           torch::Tensor m, torch::Tensor bias, int64_t N)
+                           torch::Tensor m, torch::Tensor bias, int64_t N, IntegerExtras extras)
     : form(form),
       integer_activations(integer_activations),
       weights(std::move(weights)),
       d(std::move(d)),
       m(std::move(m)),
       bias(std::move(bias)),
+      extras(std::move(extras)),
       N(N),
       integer{} {
   TORCH_CHECK(!this->bias.defined() || (this->bias.is_contiguous() && this->bias.scalar_type() == torch::kFloat32 &&
@@ -389,18 +409,40 @@ PackedMatrix::PackedMatrix(Form form, bool integer_activations, torch::Tensor we
     return;
   }
   const bool int8 = form == Form::kInt8;
+  const bool planes = form == Form::kInt5 || form == Form::kInt6;
   if (integer_activations) {
     check_packed(this->weights, int8 ? torch::kInt8 : torch::kUInt8, 4, "q");
     K = this->weights.size(1) * (int8 ? 4 : 8);
-    check_scales(this->d, this->m, K);
     TORCH_CHECK(K % 32 == 0, "int8 activations need a multiple of 32 inputs, not ", K);
+    const bool factored = this->d.scalar_type() == torch::kInt8;
+    if (factored)
+      check_factored_scales(this->d, this->m, this->extras.d_super, this->extras.m_super, K);
+    else
+      check_scales(this->d, this->m, K);
+    const uint8_t* high = nullptr;
+    if (planes) {
+      const int64_t span = form == Form::kInt5 ? 4 : 2;
+      const auto& bits = this->extras.high;
+      TORCH_CHECK(bits.defined() && bits.is_contiguous() && bits.scalar_type() == torch::kUInt8 && bits.dim() == 3 &&
+                      bits.size(0) == this->weights.size(0) && bits.size(1) * span * 8 == K && bits.size(2) == 64,
+                  "high is not a packed tensor from lookahead.cpu.packed_linear");
+      high = bits.data_ptr<uint8_t>();
+    } else {
+      TORCH_CHECK(this->extras.zero_point == 0, "only int5 and int6 forms have a zero point");
+    }
     integer = IntegerWeights{
-        !int8,
+        int8 ? 8 : form == Form::kInt4 ? 4 : form == Form::kInt5 ? 5 : 6,
         this->weights.data_ptr(),
+        high,
+        static_cast<int32_t>(this->extras.zero_point),
         this->d.data_ptr(),
         this->m.data_ptr(),
+        factored ? reinterpret_cast<const uint16_t*>(this->extras.d_super.data_ptr<at::Half>()) : nullptr,
+        factored ? reinterpret_cast<const uint16_t*>(this->extras.m_super.data_ptr<at::Half>()) : nullptr,
         this->d.scalar_type() == torch::kHalf,
-        this->m.abs().max().item<double>() != 0.0,
+        factored,
+        factored ? (this->m.abs().max().item<int64_t>() != 0 && this->extras.m_super.abs().max().item<double>() != 0.0)
+                 : this->m.abs().max().item<double>() != 0.0,
         this->bias.defined() ? this->bias.data_ptr<float>() : nullptr,
         K,
         N,
@@ -408,6 +450,7 @@ PackedMatrix::PackedMatrix(Form form, bool integer_activations, torch::Tensor we
         this->weights.size(0)};
     return;
   }
+  TORCH_CHECK(!planes, "int5 and int6 forms take int8 activations only");
   check_packed(this->weights, int8 ? torch::kInt8 : torch::kUInt8, 3, "q");
   K = (int8 ? 1 : 2) * this->weights.size(1);
   check_scales(this->d, this->m, K);

@@ -72,8 +72,17 @@ struct Q8x64 {
   __m512i v;
 
   static Q8x64 load(const void* p) { return {_mm512_loadu_si512(p)}; }
+  void store(void* p) const { _mm512_storeu_si512(p, v); }
   Q8x64 low_nibbles() const { return {_mm512_and_si512(v, _mm512_set1_epi8(0x0F))}; }
   Q8x64 high_nibbles() const { return {_mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F))}; }
+  // This | (each byte of `high` moved so that its bit `position` lands on bit 4) & mask. The shifts
+  // are of 16-bit lanes: for the positions used (bits 4..5 read from 0..7 of the same byte) no bit
+  // of the neighbouring byte reaches the mask.
+  Q8x64 with_high(const Q8x64& high, int position, int mask) const {
+    const __m512i moved = position >= 4 ? _mm512_srl_epi16(high.v, _mm_cvtsi32_si128(position - 4))
+                                        : _mm512_sll_epi16(high.v, _mm_cvtsi32_si128(4 - position));
+    return {_mm512_ternarylogic_epi32(v, moved, _mm512_set1_epi8(static_cast<char>(mask)), 0xF8)};  // v | (moved & mask)
+  }
 };
 
 constexpr const char* kInstructionSet = "avx512";
@@ -105,6 +114,9 @@ inline I32x16 signed_start(int32_t activation_sum) { return I32x16::broadcast(-1
 // a run-time count GCC copies every sum between registers on each pass.
 constexpr int64_t kIntFewRows = 2, kIntWideBlocks = 4, kIntBlocks = 2, kIntMaxRows = 6;
 constexpr bool kIntUnrollGroups = true;
+// From this many row tiles on, int5 / int6 blocks and factored scales are prepared once for all
+// tiles (integer_linear.cpp).
+constexpr int64_t kIntPrepareTiles = 4;
 #define LOOKAHEAD_DOT_INTO_INT32 1
 #else
 #error "the avx512 variant needs AVX512-VNNI and AVX512BW (-mavx512vnni -mavx512bw)"
@@ -193,6 +205,11 @@ struct Q8x64 {
     const auto* q = reinterpret_cast<const __m256i*>(p);
     return {_mm256_loadu_si256(q), _mm256_loadu_si256(q + 1)};
   }
+  void store(void* p) const {
+    auto* q = reinterpret_cast<__m256i*>(p);
+    _mm256_storeu_si256(q, lo);
+    _mm256_storeu_si256(q + 1, hi);
+  }
   Q8x64 low_nibbles() const {
     const __m256i mask = _mm256_set1_epi8(0x0F);
     return {_mm256_and_si256(lo, mask), _mm256_and_si256(hi, mask)};
@@ -200,6 +217,15 @@ struct Q8x64 {
   Q8x64 high_nibbles() const {
     const __m256i mask = _mm256_set1_epi8(0x0F);
     return {_mm256_and_si256(_mm256_srli_epi16(lo, 4), mask), _mm256_and_si256(_mm256_srli_epi16(hi, 4), mask)};
+  }
+  // As the AVX-512 variant's.
+  Q8x64 with_high(const Q8x64& high, int position, int mask) const {
+    const __m128i count = _mm_cvtsi32_si128(position >= 4 ? position - 4 : 4 - position);
+    const __m256i keep = _mm256_set1_epi8(static_cast<char>(mask));
+    const auto moved = [&](__m256i bits) {
+      return _mm256_and_si256(position >= 4 ? _mm256_srl_epi16(bits, count) : _mm256_sll_epi16(bits, count), keep);
+    };
+    return {_mm256_or_si256(lo, moved(high.lo)), _mm256_or_si256(hi, moved(high.hi))};
   }
 };
 
@@ -216,6 +242,7 @@ constexpr int64_t kAttentionAccumulators = 4;
 // chunks would spill: sixteen registers do not hold them.
 constexpr int64_t kIntFewRows = 1, kIntWideBlocks = 2, kIntBlocks = 1, kIntMaxRows = 2;
 constexpr bool kIntUnrollGroups = false;
+constexpr int64_t kIntPrepareTiles = 3;
 
 #if defined(__AVXVNNI__)
 constexpr const char* kIntegerDot = "avx-vnni";
@@ -295,6 +322,17 @@ struct NibbleSums {
   I32x16 total() const { return acc; }
 };
 #endif
+
+// The dot products of unsigned bytes u = q + zero point over one group of inputs, in int32 lanes
+// from the start, which takes the zero point times the group's activation sum off. Any u up to 63
+// on every variant: a vpmaddubsw pair stays within int16 (2 x 63 x 127 = 16002).
+struct OffsetSums {
+  I32x16 acc;
+
+  static OffsetSums start(int32_t correction) { return {I32x16::broadcast(correction)}; }
+  void add(const Q8x64& u, int32_t x4) { acc = dot_unsigned(acc, u, x4); }
+  I32x16 total() const { return acc; }
+};
 
 // The dot products of signed bytes over one group of inputs, in int32 lanes from the start
 // (`signed_start`: what a variant's trick adds takes the group's activation sum off).

@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM
 from lookahead import LookaheadConfig, LookaheadDecoder, NGramTrie, SamplingParams
 from lookahead.cli import main
 from lookahead.cpu.extension import load_extension
+from lookahead.cpu.integer_forms import IntegerForm
 from lookahead.cpu.packed_linear import PackedWeights
 from lookahead.models.gguf_blocks import UNPACKERS, integer_form
 from lookahead.models.gguf_file import GGUFError
@@ -85,6 +86,49 @@ def test_the_kernel_multiplies_by_a_form_as_by_its_dequantised_weights(qtype: Q,
     assert from_form.form in ("int4", "int8") and from_weights.form == "fp32"
     x = torch.randn(7, 256)
     assert torch.equal(from_form.product(x), from_weights.product(x))
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q5_K, Q.Q6_K], ids=lambda q: q.name)
+def test_k_quant_scales_keep_the_files_factors_exactly(qtype: Q) -> None:
+    form = integer_form(blocks_of(qtype), qtype)
+    factors = form.factors
+    assert factors.d_super.dtype == torch.float16 and factors.d_sub.dtype == torch.int8
+    assert factors.d_super.shape == (24, 512 // 256) and factors.d_sub.shape == form.d.shape
+    pairs = ((factors.d_super, factors.d_sub, form.d), (factors.m_super, factors.m_sub, form.m))
+    for super_, sub, whole in pairs:
+        assert torch.equal(super_.float().repeat_interleave(256 // form.group, dim=1) * sub.float(), whole)
+    assert integer_form(blocks_of(Q.Q5_0), Q.Q5_0).factors is None
+
+
+def without_factors(form) -> IntegerForm:
+    return IntegerForm(form.q, form.d, form.m, form.group)
+
+
+@pytest.mark.parametrize(
+    ("qtypes", "packed_as"),
+    [((Q.Q5_0,), "int5"), ((Q.Q4_K,), "int4"), ((Q.Q6_K,), "int6"), ((Q.Q4_K, Q.Q6_K), "int6")],
+    ids=lambda v: "+".join(q.name for q in v) if isinstance(v, tuple) else v,
+)
+@pytest.mark.parametrize("variant", CPU_VARIANTS)
+def test_the_integer_kernel_keeps_a_files_bits_and_scale_factors(
+    qtypes: tuple[Q, ...], packed_as: str, variant
+) -> None:
+    """With int8 activations a file's forms take as few bits as hold their integers and keep the
+    K-quants' factored scales (fused siblings too), and compute what their multiplied-out scales do."""
+    extension = load_extension(variant)
+    forms = [integer_form(blocks_of(q, rows=40, inputs=512, seed=3 + i), q) for i, q in enumerate(qtypes)]
+    empties = [nn.Linear(512, 40, bias=False, device="meta") for _ in forms]
+    with_factors = {e: (lambda f=f: f) for e, f in zip(empties, forms)}
+    factored = PackedWeights(empties, extension, with_factors, activations="int8")
+    stripped = {e: (lambda f=f: without_factors(f)) for e, f in zip(empties, forms)}
+    plain = PackedWeights(empties, extension, stripped, activations="int8")
+    assert (factored.form, factored.activations) == (packed_as, "int8")
+    k_quants = all(qtype in (Q.Q4_K, Q.Q6_K) for qtype in qtypes)
+    assert hasattr(factored, "d_super_packed") == k_quants and not hasattr(plain, "d_super_packed")
+    if k_quants:
+        assert factored.streamed_bytes() < plain.streamed_bytes()
+    x = torch.randn(13, 512)
+    assert torch.equal(factored.product(x), plain.product(x))
 
 
 ARCHITECTURE_TYPES = [
