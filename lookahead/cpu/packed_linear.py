@@ -9,8 +9,8 @@ the kernel rebuilds them from bit for bit: a byte per weight (int8 form), or hal
 every integer is in 0..15 (int4 form), plus the scales, so a step streams a sixth to a third of
 the fp32 bytes. For the integer kernel a form takes as few bits as hold its integers (int5, int6:
 a nibble and one or two planes of high bits) and keeps a K-quant's scales as their file does
-(ScaleFactors), so a step streams about what the file holds. A caller that knows a layer's form (a GGUF file's blocks: KnownForms) hands it
-over instead, and that weight never exists in fp32.
+(ScaleFactors), so a step streams about what the file holds. A caller that knows a layer's form
+(a GGUF file's blocks: KnownForms) hands it over instead, and that weight never exists in fp32.
 
 Two kinds of activations meet those integers. fp32 activations ("packed" kernel): the kernel
 rebuilds every weight bit for bit and computes what nn.Linear computes, to the rounding of one
