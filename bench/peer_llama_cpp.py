@@ -19,6 +19,17 @@ draft acceptance, and each system's ratio to llama.cpp's best mode at each concu
 
 `--as-shipped` starts our server as scripts/serve.sh does (`python -m launcher`, the repository's
 config.pbtxt untouched, no LOOKAHEAD_* variable but a fresh trie folder), serving `--model`.
+
+`--prompt-reading 1000,2000,3000` measures prompt reading instead: per length, `--prompts` prompts
+of about that many tokens (each a different standard-library module's source, cut at a line, then
+a question about it, chat-formatted; no two prompts share more than the chat template's opening),
+each sent once to each system for one greedy token. The order rotates, and a second's pause comes
+before each request, so that no system's threads are still on the cores when the next one reads.
+Each system's rate is its prompt tokens over the request's wall time (send to answer), beside
+llama.cpp's own prompt-processing rate; llama.cpp keeps no prompt cache (`cache_prompt: false`),
+and ours finds none to reuse.
+
+    python -m bench peer_llama_cpp --as-shipped --prompt-reading 1000,2000,3000 --prompts 3
 """
 
 from __future__ import annotations
@@ -114,6 +125,8 @@ def server_binary(isa: str) -> Path:
     return SOURCE / f"build-{isa}" / "bin" / "llama-server"
 
 
+# Prompt reading: seconds between requests, for the previous system's threads to leave the cores.
+READING_PAUSE_S = 1.0
 # Held out: the decoder benchmark measures the set's first prompts.
 PROMPT_OFFSET = 100
 
@@ -259,6 +272,99 @@ def chat_prompts(count: int, model: str | None = None) -> list[str]:
     ]
 
 
+def long_prompts(lengths: list[int], count: int, model: str | None = None) -> list[tuple[int, str]]:
+    """`count` prompts per length: (length, chat-formatted text of about that many tokens), each
+    a different standard-library module's source cut at a line, then a question about it."""
+    from bench.stdlib_sets import LONG_MODULES, source_of
+    from lookahead.models.embedded import DEFAULT_MODEL
+    from lookahead.models.loading import load_tokenizer
+
+    tokenizer = load_tokenizer(model or DEFAULT_MODEL)
+    wanted = [length for length in lengths for _ in range(count)]
+    if len(wanted) > len(LONG_MODULES):
+        raise SystemExit(f"at most {len(LONG_MODULES)} prompts in all (lengths x --prompts)")
+    prompts = []
+    for length, module in zip(wanted, LONG_MODULES):
+        lines = source_of(module).splitlines(keepends=True)
+        source = ""
+        for line in lines:
+            if len(tokenizer(source + line)["input_ids"]) > length:
+                break
+            source += line
+        question = f"```python\n{source}```\n\nWhat does the code above, from `{module}`, do?"
+        prompts.append(
+            (
+                length,
+                tokenizer.apply_chat_template(
+                    [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=False
+                ),
+            )
+        )
+    return prompts
+
+
+def read_prompts(
+    args: argparse.Namespace, binary: Path, systems: list[str], lengths: list[int]
+) -> list[dict[str, Any]]:
+    """Prompt reading: each prompt once to each system, one token each; a row per system and prompt."""
+    from launcher import free_port
+
+    prompts = long_prompts(lengths, args.prompts, args.model)
+    rows: list[dict[str, Any]] = []
+    with (
+        llama_server(
+            binary,
+            args.gguf or default_gguf(args.model),
+            free_port(),
+            args.threads,
+            args.out / "llama-server-prompt-reading.log",
+            ["-c", str(max(lengths) + 512), *args.llama_args.split()],
+        ) as llama_url,
+        _triton(args, "prompt-reading") as triton_url,
+    ):
+        for index, (length, prompt) in enumerate(prompts):
+            shift = index % len(systems)
+            for system in systems[shift:] + systems[:shift]:
+                time.sleep(READING_PAUSE_S)
+                if system == "llama.cpp":
+                    _, seconds, timings = ask_llama(llama_url, prompt, 1)
+                    tokens, own = int(timings["prompt_n"]), timings.get("prompt_per_second")
+                else:
+                    completion, seconds = _one_token(triton_url, system, prompt)
+                    tokens, own = completion.num_input_tokens or 0, None
+                row = {"system": system, "length": length, "prompt_tokens": tokens, "seconds": seconds}
+                row["prompt_tokens_per_second"] = tokens / seconds
+                if own is not None:
+                    row["llama_prompt_tokens_per_second"] = own
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    return rows
+
+
+def compare_reading(rows: list[dict[str, Any]]) -> list[str]:
+    """Per length: each system's prompt tokens over its summed wall time, and ours over llama.cpp's."""
+    lines = []
+    for length in sorted({row["length"] for row in rows}):
+        rate = {}
+        for system in dict.fromkeys(row["system"] for row in rows):
+            here = [row for row in rows if row["length"] == length and row["system"] == system]
+            rate[system] = sum(r["prompt_tokens"] for r in here) / sum(r["seconds"] for r in here)
+        llama = rate.get("llama.cpp")
+        for system, value in rate.items():
+            ratio = f" = {value / llama:.2f}x llama.cpp's" if llama and system != "llama.cpp" else ""
+            lines.append(f"~{length} prompt tokens: {system} reads {value:.0f} tok/s{ratio}")
+    return lines
+
+
+def _one_token(url: str, model: str, prompt: str) -> tuple[Any, float]:
+    from client import Completion, LookaheadClient
+
+    client = LookaheadClient(url=url, model=model)
+    started = time.perf_counter()
+    completion = Completion.from_chunks(client.stream(prompt, max_tokens=1, temperature=0))
+    return completion, time.perf_counter() - started
+
+
 @dataclass(frozen=True)
 class Batch:
     """One system's pass over the prompts, `concurrency` requests in flight at a time."""
@@ -355,6 +461,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--model", default=None, help="embedded model served by both (default: the default model)"
     )
+    parser.add_argument(
+        "--prompt-reading",
+        default="",
+        help="measure prompt reading instead, at these comma-separated prompt lengths, e.g. 1000,2000,3000",
+    )
     parser.add_argument("--out", type=Path, default=Path("results/peer_llama_cpp"))
     args = parser.parse_args(argv)
     binary = server_binary(args.isa)
@@ -376,6 +487,15 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     systems = args.systems.split(",")
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.prompt_reading:
+        lengths = [int(length) for length in args.prompt_reading.split(",")]
+        reading = read_prompts(args, binary, systems, lengths)
+        summary = compare_reading(reading)
+        print("\n".join(summary))
+        (args.out / "prompt_reading.json").write_text(
+            json.dumps({"summary": summary, "runs": reading}, indent=1) + "\n"
+        )
+        return 0
     from launcher import free_port
 
     prompts = chat_prompts(args.prompts, args.model)

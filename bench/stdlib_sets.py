@@ -2,6 +2,7 @@
 
 - `doc_qa`: a function's or class's documentation (its signature and docstring) and a question
   about it, answered from that documentation: what a user asks a model next to a retrieved page.
+- `LONG_MODULES`: long modules whose sources make prompts of thousands of tokens.
 - `coding_conversations`: four-turn coding conversations about one real function each. The first
   turn shows the function and asks for an edit; every later turn asks for the whole function
   again with one more edit, so the assistant's earlier answer comes back as prompt and, mostly,
@@ -54,6 +55,21 @@ MODULES = (
     "json.decoder",
     "csv",
     "argparse",
+)
+# Long single-file modules, one per long prompt (bench: peer_llama_cpp --prompt-reading).
+LONG_MODULES = (
+    "argparse",
+    "difflib",
+    "tarfile",
+    "inspect",
+    "typing",
+    "subprocess",
+    "threading",
+    "configparser",
+    "smtplib",
+    "ftplib",
+    "pickletools",
+    "calendar",
 )
 DOC_CHARS = (300, 2000)  # docstrings this long make a page worth asking about
 CODE_LINES = (8, 40)  # functions this long make a conversation's turns
@@ -152,7 +168,7 @@ def coding_conversations() -> tuple[Conversation, ...]:
         for node in tree.body:
             if not isinstance(node, ast.FunctionDef) or node.name.startswith("_"):
                 continue
-            source = ast.get_source_segment(_source(module), node)
+            source = ast.get_source_segment(source_of(module), node)
             if source is None or not CODE_LINES[0] <= source.count("\n") + 1 <= CODE_LINES[1]:
                 continue
             name = f"{module}.{node.name}"
@@ -160,7 +176,8 @@ def coding_conversations() -> tuple[Conversation, ...]:
     return tuple(conversations)
 
 
-def _source(module: str) -> str:
+def source_of(module: str) -> str:
+    """A standard-library module's source text, as the running interpreter has it."""
     spec = importlib.util.find_spec(module)
     assert spec is not None and spec.origin is not None
     return Path(spec.origin).read_text(encoding="utf-8")
