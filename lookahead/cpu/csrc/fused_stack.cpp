@@ -139,6 +139,19 @@ std::vector<AttentionUnit> attention_units(const std::vector<RowPlan>& rows, int
   return units;
 }
 
+// The running sums of the units' costs (weighted_share's `prefix`): each query of a unit costs its
+// row's visible entries, plus a fixed part for its softmax and output.
+std::vector<double> attention_costs(const std::vector<AttentionUnit>& units, const std::vector<Visibility>& visible) {
+  std::vector<double> prefix(units.size() + 1, 0.0);
+  for (size_t u = 0; u < units.size(); ++u) {
+    double entries = 0.0;
+    for (int64_t r = units[u].first_row; r < units[u].first_row + units[u].rows; ++r)
+      entries += static_cast<double>(visible[r].entries.size()) + 2 * kLanes;
+    prefix[u + 1] = prefix[u] + entries * static_cast<double>(units[u].heads);
+  }
+  return prefix;
+}
+
 // Up to 16 scores of one query against keys[0..n): lane k is the dot product of the query with
 // keys[k] (a product per lane, then multiply-adds along the head, then reduce_add's tree), zero
 // from lane n on. A score's bits depend on its query and key alone, not on the keys beside it.
@@ -399,12 +412,13 @@ torch::Tensor FusedStack::forward(const torch::Tensor& hidden, const torch::Tens
   const int threads = static_cast<int>(std::max<int64_t>(1, at::get_num_threads()));
   const std::vector<Visibility> visible = visible_entries(rows);
   const std::vector<AttentionUnit> units = attention_units(rows, heads, kv_heads, threads);
+  const std::vector<double> unit_costs = attention_costs(units, visible);
 
 #pragma omp parallel num_threads(threads)
   {
     const int thread = omp_get_thread_num(), team = omp_get_num_threads();
     const auto [row_begin, row_end] = thread_share(M, thread, team);
-    const auto [unit_begin, unit_end] = thread_share(static_cast<int64_t>(units.size()), thread, team);
+    const auto [unit_begin, unit_end] = weighted_share(unit_costs, thread, team);
     std::vector<float> scores[kQueriesPerUnit];
     // Thread 0's time in each step, and at the barriers (waiting for the others).
     const bool timing = profiling && thread == 0;

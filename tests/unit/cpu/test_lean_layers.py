@@ -226,3 +226,37 @@ def test_every_node_of_a_wide_tree_gets_plain_decodings_bits_on_the_fused_stack(
                 plain = runner.forward_drafts([Draft.root_only(tokens[step])], [length], [slot])[0]
                 length += 1
             assert torch.equal(plain[0], tree[node]), f"node {node} differs from plain decoding"
+
+
+@pytest.mark.skipif(not runnable_variants(), reason="no variant of the fast CPU path runs on this CPU")
+def test_the_fused_stack_gives_the_same_bits_whatever_the_teams_size() -> None:
+    """Threads share out matrix columns and attention units (weighted by the entries each reads),
+    never a sum: a step of a long causal prompt chunk beside a tree over another slot's history
+    comes out bit for bit the same on 1, 2 and 3 threads."""
+    from lookahead.models.loading import load_model
+    from lookahead.runtime.runner import ModelRunner
+
+    loaded = load_model(linear_kernel="integer")
+    assert type(loaded.model.model.stack).__name__ == "FusedStack"
+    runner = ModelRunner(loaded.model, prefix_cache_tokens=0, kv_cache_bytes=0)
+    history = [(31 * i + 5) % 5000 + 100 for i in range(90)]
+    chunk = [(17 * i + 3) % 5000 + 100 for i in range(70)]
+    parents = [-1, 0, 0, 1, 2, 2, 4]
+    tree = [(53 * i + 7) % 4000 + 300 for i in range(len(parents))]
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        with torch.inference_mode(), runner.scratch_slot() as first, runner.scratch_slot() as second:
+            runner.forward_drafts([Draft(history, [-1, *range(len(history) - 1)])], [0], [second])
+            for team in (1, 2, 3):
+                torch.set_num_threads(team)
+                out = runner.forward_drafts(
+                    [Draft(chunk, [-1, *range(len(chunk) - 1)]), Draft(tree, parents)],
+                    [0, len(history)],
+                    [first, second],
+                )
+                results.append([rows.clone() for rows in out])
+    finally:
+        torch.set_num_threads(threads)
+    for other in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(results[0], other))
