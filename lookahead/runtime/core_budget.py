@@ -5,7 +5,10 @@ A forward's threads meet at a barrier after every matrix. Where another process 
 cores, the thread sharing that core waits for its time slice at every barrier and the whole team
 waits with it: two threads beside one busy process run far slower than one thread alone. So before
 each forward `CoreBudget.apply` sizes the team to the cores left free, measured over the last
-fraction of a second from /proc/stat (each core's busy time) less this process's own CPU time.
+fraction of a second from /proc/stat (each core's busy time) less this process's own CPU time. A
+watcher thread looks every half interval, so that the first forward after an idle spell judges
+the machine as it is now, not as it was while another process (often the other model of the same
+server) answered the request before.
 
 The cores this process may use are its CPU affinity, capped by its cgroup's CPU quota (a
 container's `--cpus`). A forward's results never depend on its team's size (the kernels split work
@@ -16,7 +19,10 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 import time
+import weakref
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 
@@ -82,6 +88,7 @@ class CoreBudget:
         own_seconds: Callable[[], float] = time.process_time,
         machine_seconds: Callable[[set[int]], float | None] = busy_seconds,
         set_threads: Callable[[int], None] | None = None,
+        watch: bool = False,
     ):
         self.cpus = os.sched_getaffinity(0)
         self.limit = max(1, min(limit, usable_cores()))
@@ -89,28 +96,46 @@ class CoreBudget:
         self.others = 0  # cores counted as held by other processes
         self._clock, self._own, self._machine = clock, own_seconds, machine_seconds
         self._set_threads = set_threads or _torch_set_threads
-        self._last: tuple[float, float, float] | None = None
+        # Recent looks (time, machine busy seconds, own CPU seconds), oldest first.
+        self._looks: deque[tuple[float, float, float]] = deque(maxlen=8)
+        self._judged: float | None = None  # when apply() last judged the machine
+        self._watching = watch
 
     def apply(self) -> int:
         """Resize the calling thread's team if the free cores changed since the last look; return
         the team size. Call it on the thread that runs the forwards (a team is per thread)."""
         now = self._clock()
-        if self._last is not None and now - self._last[0] < SAMPLE_INTERVAL_S:
+        if self._judged is not None and now - self._judged < SAMPLE_INTERVAL_S:
             return self.threads
-        machine = self._machine(self.cpus)
-        if machine is None:
+        if self._watching:
+            self._watching = False
+            _start_watcher(self)
+        earlier = list(self._looks)
+        sample = self.look()
+        if sample is None:
             return self.threads
-        sample = (now, machine, self._own())
-        if self._last is not None:
-            wall = sample[0] - self._last[0]
-            elsewhere = max(0.0, (sample[1] - self._last[1]) - (sample[2] - self._last[2])) / wall
+        self._judged = now
+        # The window: from the newest earlier look at least an interval old, to now.
+        start = next((s for s in reversed(earlier) if now - s[0] >= SAMPLE_INTERVAL_S), None)
+        if start is not None:
+            wall = sample[0] - start[0]
+            elsewhere = max(0.0, (sample[1] - start[1]) - (sample[2] - start[2])) / wall
             self.others = self._held(elsewhere)
             threads = max(1, min(self.limit, len(self.cpus) - self.others))
             if threads != self.threads:
                 self._set_threads(threads)
                 self.threads = threads
-        self._last = sample
         return self.threads
+
+    def look(self) -> tuple[float, float, float] | None:
+        """Note the machine's and this process's CPU time now (None where /proc/stat cannot be read)."""
+        now = self._clock()
+        machine = self._machine(self.cpus)
+        if machine is None:
+            return None
+        sample = (now, machine, self._own())
+        self._looks.append(sample)
+        return sample
 
     def _held(self, elsewhere: float) -> int:
         """Whole cores other processes hold, from the cores' worth of time they used, with
@@ -121,6 +146,19 @@ class CoreBudget:
         while held > 0 and elsewhere < held - 1 + RELEASE:
             held -= 1
         return held
+
+
+def _start_watcher(budget: CoreBudget) -> None:
+    """A daemon thread that looks every half interval while `budget` lives."""
+    reference = weakref.ref(budget)
+
+    def watch() -> None:
+        while (alive := reference()) is not None:
+            alive.look()
+            del alive
+            time.sleep(SAMPLE_INTERVAL_S / 2)
+
+    threading.Thread(target=watch, name="lookahead-core-budget", daemon=True).start()
 
 
 def wait_until_quiet(

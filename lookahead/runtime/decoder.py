@@ -97,7 +97,7 @@ class LookaheadDecoder:
             model,
             prefix_cache_tokens=prefix_cache_tokens,
             kv_cache_bytes=kv_cache_bytes,
-            core_budget=CoreBudget(torch.get_num_threads()) if adaptive_threads else None,
+            core_budget=CoreBudget(torch.get_num_threads(), watch=True) if adaptive_threads else None,
         )
         self.model = model
         self.tokenizer = tokenizer

@@ -87,6 +87,36 @@ def test_looks_at_most_once_per_interval() -> None:
     assert core_budget.apply() == 1
 
 
+def test_a_neighbours_burst_that_ended_before_the_window_takes_no_thread() -> None:
+    """The other model answered a request just before this one: looks in between (the watcher's)
+    put the window after it, where the machine is quiet; without them the burst counts."""
+    for watched in (True, False):
+        machine = Machine()
+        core_budget, calls = budget(machine, limit=2, cores=2)
+        core_budget.apply()
+        machine.advance(0.3, others=2.0, own=0.0)  # the neighbour's forward on both cores
+        for _ in range(4):
+            if watched:
+                core_budget.look()
+            machine.advance(SAMPLE_INTERVAL_S / 2, others=0.0, own=0.0)
+        assert core_budget.apply() == (2 if watched else 1)
+        assert calls == ([] if watched else [1])
+
+
+def test_the_watcher_looks_while_its_budget_lives() -> None:
+    core_budget = CoreBudget(2, watch=True, set_threads=lambda threads: None)
+    before = set(threading.enumerate())
+    core_budget.apply()  # the first forward starts it
+    time.sleep(3 * SAMPLE_INTERVAL_S)
+    assert len(core_budget._looks) >= 4
+    watchers = [t for t in set(threading.enumerate()) - before if t.name == "lookahead-core-budget"]
+    assert len(watchers) == 1
+    del core_budget
+    for watcher in watchers:
+        watcher.join(timeout=2 * SAMPLE_INTERVAL_S)
+    assert not any(watcher.is_alive() for watcher in watchers)
+
+
 def test_cgroup_quotas(tmp_path: Path) -> None:
     (tmp_path / "cpu.max").write_text("150000 100000\n")
     assert cgroup_cpu_quota(tmp_path) == 1.5
