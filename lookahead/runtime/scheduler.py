@@ -11,8 +11,10 @@ Running requests' roots come first; then, first come first served, prompts that 
 last token becomes a root); then the drafts of every root, node by node where they pay
 (planner.plan_step; none is retrieved where no node can pay), next to at most one partial
 prompt chunk, which gets what is left (and at least an eighth of the budget, so a prompt always
-advances). With no running request to stall,
-the first prompt is read whole. The decoder (decoder.py) turns the plan into one forward.
+advances). With no running request to stall, the first prompt is read in chunks of up to
+LONE_PROMPT_CHUNK tokens, its last one with its first draft: a forward stays short enough that
+the next one can be sized to the cores free by then (core_budget.py) and that a request arriving
+meanwhile waits at most one chunk. The decoder (decoder.py) turns the plan into one forward.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ from ..config import LookaheadConfig
 # While a prompt is being read, drafts may take at most this share of what the running
 # requests' roots leave of the step's budget; the prompt's chunk gets the rest.
 DRAFT_SHARE_BESIDE_PROMPT = 0.5
+# Most tokens of a prompt read while no running request waits on the step (its draft included).
+LONE_PROMPT_CHUNK = 512
 
 
 class Schedulable(Protocol):
@@ -181,9 +185,9 @@ def schedule_step(
     plan: StepPlan[R] = StepPlan()
     rooted = [request for request in requests if request.prefilled]
     free = budget - len(rooted)
-    if not rooted and requests:  # no stream waits on this step: the first prompt goes whole
+    if not rooted and requests:  # no stream waits on this step: the first prompt goes in big chunks
         first = requests[0]
-        free = max(free, first.root - _fed(first) + budget)
+        free = max(free, min(first.root - _fed(first) + budget, LONE_PROMPT_CHUNK))
     partial = None
     for request in requests:
         if request.prefilled:

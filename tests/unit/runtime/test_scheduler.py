@@ -13,7 +13,7 @@ import pytest
 from lookahead.algorithm.draft import Draft
 from lookahead.algorithm.planner import Calibration, CostModel
 from lookahead.config import LookaheadConfig
-from lookahead.runtime.scheduler import DRAFT_SHARE_BESIDE_PROMPT, Scheduler
+from lookahead.runtime.scheduler import DRAFT_SHARE_BESIDE_PROMPT, LONE_PROMPT_CHUNK, Scheduler
 from lookahead.runtime.scheduler import schedule_step as schedule
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -67,6 +67,20 @@ def test_with_nothing_running_the_first_prompt_is_read_whole_with_its_first_draf
     plan = schedule([prompt], budget=16, cost=CostModel(FLAT))
     (item,) = plan.scheduled
     assert (item.request, item.start, item.chunk) == (prompt, 0, prompt.ids[:299])
+    assert item.draft.tokens == [prompt.ids[-1], 100, 101, 102, 103]
+
+
+def test_with_nothing_running_a_long_prompt_is_read_in_bounded_chunks_then_drafts() -> None:
+    prompt = waiting(LONE_PROMPT_CHUNK * 2 + 100, offer=4)
+    chunks = []
+    while True:
+        (item,) = schedule([prompt], budget=16, cost=CostModel(FLAT)).scheduled
+        assert item.start == prompt.fed and len(item.chunk) <= LONE_PROMPT_CHUNK
+        chunks.append(len(item.chunk))
+        if item.draft is not None:
+            break
+        prompt.fed += len(item.chunk)
+    assert chunks == [LONE_PROMPT_CHUNK, LONE_PROMPT_CHUNK, 99]
     assert item.draft.tokens == [prompt.ids[-1], 100, 101, 102, 103]
 
 
