@@ -10,13 +10,19 @@ tool, up to --turns requests. What the drafters can reuse is what agents repeat:
 in every prompt, earlier calls, results the model quotes. Both models follow the same path as
 long as their answers are identical, which is checked turn by turn.
 
+With `--repo-map-tokens N` the system prompt also carries an aider-style repository map of about
+N tokens (the standard library modules' paths and top-level signatures), as coding agents send
+their rules and maps: the same in every task, so the prefix cache reads it once per model.
+
 Each model first answers one untimed one-token request (`warm_up`). Reported per model: output
 tokens/s (all turns' output tokens over the summed wall time), its ratio to the baseline's, the
-mean time to first token of turn 1, 2, ... (the prefix cache spares a later turn the prompt it
-already read), tool calls made, turns identical to the baseline's (exit status 1 when one differs).
+first task's first token (the whole system prompt read cold), the mean time to first token of
+turn 1, 2, ... (the prefix cache spares a later turn the prompt it already read), tool calls made,
+turns identical to the baseline's (exit status 1 when one differs).
 Serve a model whose chat template has tools, e.g.:
 
     LOOKAHEAD_MODEL=qwen2.5-coder-0.5b-instruct python -m bench agent_loop --tasks 4 --turns 4
+    LOOKAHEAD_MODEL=qwen2.5-coder-0.5b-instruct python -m bench agent_loop --repo-map-tokens 3000
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ from typing import Any
 
 from bench.report import write_csv
 from bench.servers import add_comparison_arguments, check_comparison_arguments, server_url
-from bench.stdlib_sets import coding_conversations
+from bench.stdlib_sets import LONG_MODULES, MODULES, coding_conversations, source_of
 from launcher import TritonServerError, free_port, start_frontend
 
 TOOLS = [
@@ -55,6 +61,7 @@ TOOLS = [
 ]
 SYSTEM = "You are a coding agent. Use the tools to read code before you answer; answer briefly."
 RESULT_LINES = 40  # a tool result's most lines
+CHARS_PER_TOKEN = 3.5  # of a repository map, for the tokenizers served here
 
 
 @dataclass(frozen=True)
@@ -79,8 +86,38 @@ class Point:
     seconds: float
     tokens_per_second: float
     speedup: float
+    cold_ttft_ms: float  # the first task's first turn
     ttft_ms_by_turn: str
     identical: int
+
+
+def repo_map(tokens: int) -> str:
+    """About `tokens` tokens of an aider-style repository map: each module's path, then its
+    top-level functions' and classes' first lines and their methods', module after module."""
+    lines: list[str] = []
+    size, budget = 0, tokens * CHARS_PER_TOKEN
+    for module in dict.fromkeys(MODULES + LONG_MODULES):
+        spec = importlib.util.find_spec(module)
+        if spec is None or not spec.origin or not spec.origin.endswith(".py"):  # a frozen module
+            continue
+        source = source_of(module)
+        text = source.splitlines()
+        entry = [f"{module.replace('.', '/')}.py:"]
+        for node in ast.parse(source).body:
+            if isinstance(node, ast.FunctionDef | ast.ClassDef) and not node.name.startswith("_"):
+                entry.append(f"  {text[node.lineno - 1].strip()}")
+                if isinstance(node, ast.ClassDef):
+                    entry += [
+                        f"    {text[m.lineno - 1].strip()}"
+                        for m in node.body
+                        if isinstance(m, ast.FunctionDef) and not m.name.startswith("_")
+                    ]
+        for line in entry:
+            if size + len(line) + 1 > budget:
+                return "\n".join(lines)
+            lines.append(line)
+            size += len(line) + 1
+    return "\n".join(lines)
 
 
 def module_source(name: str) -> tuple[str, str]:
@@ -116,10 +153,12 @@ def run_tool(name: str, arguments: str, task: str) -> str:
     return json.dumps({"error": f"unknown tool {name}"})
 
 
-def agent(client: Any, model: str, index: int, task: str, turns: int, max_tokens: int) -> list[Turn]:
+def agent(
+    client: Any, model: str, index: int, task: str, turns: int, max_tokens: int, system: str = SYSTEM
+) -> list[Turn]:
     """One task's loop: a request per turn, each tool call answered, until the model answers."""
     messages: list[dict[str, Any]] = [
-        {"role": "system", "content": SYSTEM},
+        {"role": "system", "content": system},
         {
             "role": "user",
             "content": f"{task} has a bug with empty input. Read it with read_file, then find it.",
@@ -189,6 +228,7 @@ def summarize(turns: Sequence[Turn], baseline: str) -> list[Point]:
         mine = [t for t in turns if t.model == model]
         numbers = sorted({t.turn for t in mine})
         ttft = [1000 * _mean([t.ttft_seconds for t in mine if t.turn == n]) for n in numbers]
+        cold = min(mine, key=lambda t: (t.task, t.turn))
         points.append(
             Point(
                 model,
@@ -198,6 +238,7 @@ def summarize(turns: Sequence[Turn], baseline: str) -> list[Point]:
                 sum(t.seconds for t in mine),
                 rates[model],
                 rates[model] / rates[baseline],
+                1000 * cold.ttft_seconds,
                 " / ".join(f"{ms:.0f}" for ms in ttft),
                 sum(texts.get((t.task, t.turn, baseline)) == t.text for t in mine),
             )
@@ -211,14 +252,14 @@ def _mean(values: Sequence[float]) -> float:
 
 def format_table(points: Sequence[Point]) -> str:
     lines = [
-        "| model | turns | tool calls | output tokens | tokens/s (x baseline) | TTFT by turn (ms) "
-        "| identical |",
-        "|---" * 7 + "|",
+        "| model | turns | tool calls | output tokens | tokens/s (x baseline) | first TTFT (ms) "
+        "| TTFT by turn (ms) | identical |",
+        "|---" * 8 + "|",
     ]
     for p in points:
         lines.append(
             f"| {p.model} | {p.turns} | {p.tool_calls} | {p.output_tokens} | {p.tokens_per_second:.1f} "
-            f"({p.speedup:.2f}x) | {p.ttft_ms_by_turn} | {p.identical}/{p.turns} |"
+            f"({p.speedup:.2f}x) | {p.cold_ttft_ms:.0f} | {p.ttft_ms_by_turn} | {p.identical}/{p.turns} |"
         )
     return "\n".join(lines)
 
@@ -230,6 +271,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--offset", type=int, default=0, help="first task")
     parser.add_argument("--turns", type=int, default=6, help="most requests per task")
     parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument(
+        "--repo-map-tokens",
+        type=int,
+        default=0,
+        help="a repository map of about this many tokens in the system prompt",
+    )
     parser.add_argument("--openai-url", default=None, help="a running OpenAI endpoint (else one is started)")
     parser.add_argument("--out", type=Path, default=Path("results/agent_loop"))
     args = parser.parse_args(argv)
@@ -258,6 +305,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     tasks = [c.name for c in coding_conversations()][args.offset : args.offset + args.tasks]
+    system = SYSTEM
+    if args.repo_map_tokens:
+        system += "\n\nRepository map (the Python standard library):\n" + repo_map(args.repo_map_tokens)
     turns: list[Turn] = []
     try:
         with server_url(args) as url, ExitStack() as stack:
@@ -271,7 +321,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             for index, task in enumerate(tasks, start=args.offset):
                 shift = index % len(args.models)  # the first model rotates from task to task
                 for model in args.models[shift:] + args.models[:shift]:
-                    turns += agent(client, model, index, task, args.turns, args.max_tokens)
+                    turns += agent(client, model, index, task, args.turns, args.max_tokens, system)
                 print(f"task {index} ({task}) done", flush=True)
     except TritonServerError as error:
         print(f"error: {error}", file=sys.stderr)
