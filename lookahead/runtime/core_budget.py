@@ -7,8 +7,9 @@ waits with it: two threads beside one busy process run far slower than one threa
 each forward `CoreBudget.apply` sizes the team to the cores left free, measured over the last
 fraction of a second from /proc/stat (each core's busy time) less this process's own CPU time. A
 watcher thread looks every half interval, so that the first forward after an idle spell judges
-the machine as it is now, not as it was while another process (often the other model of the same
-server) answered the request before.
+the machine as it is now. And a process counts as holding a core only if something besides this
+thread is runnable at the moment of the look (/proc/loadavg): the other model of the same server,
+which answered the request just before, leaves its busy time in the window but holds no core.
 
 The cores this process may use are its CPU affinity, capped by its cgroup's CPU quota (a
 container's `--cpus`). A forward's results never depend on its team's size (the kernels split work
@@ -76,6 +77,19 @@ def busy_seconds(cpus: set[int], stat: Path = Path("/proc/stat")) -> float | Non
     return total / os.sysconf("SC_CLK_TCK")
 
 
+def runnable_elsewhere(loadavg: Path = Path("/proc/loadavg"), reads: int = 3) -> int | None:
+    """Threads runnable on the machine now besides the calling one: the fewest of a few reads (a
+    wakeup in passing is no neighbour), or None where /proc/loadavg cannot be read."""
+    counts = []
+    for _ in range(reads):
+        try:
+            running = int(loadavg.read_text().split()[3].split("/")[0])
+        except (OSError, ValueError, IndexError):
+            return None
+        counts.append(running - 1)
+    return max(0, min(counts))
+
+
 class CoreBudget:
     """The team size for the next forward: at most `limit` threads, one per core that no other
     process holds (never below one)."""
@@ -88,9 +102,12 @@ class CoreBudget:
         own_seconds: Callable[[], float] = time.process_time,
         machine_seconds: Callable[[set[int]], float | None] = busy_seconds,
         set_threads: Callable[[int], None] | None = None,
+        runnable: Callable[[], int | None] = runnable_elsewhere,
         watch: bool = False,
     ):
         self.cpus = os.sched_getaffinity(0)
+        # The machine-wide runnable count speaks for these cores only where they are all of them.
+        self._runnable = runnable if len(self.cpus) == os.cpu_count() else lambda: None
         self.limit = max(1, min(limit, usable_cores()))
         self.threads = self.limit
         self.others = 0  # cores counted as held by other processes
@@ -121,6 +138,10 @@ class CoreBudget:
             wall = sample[0] - start[0]
             elsewhere = max(0.0, (sample[1] - start[1]) - (sample[2] - start[2])) / wall
             self.others = self._held(elsewhere)
+            if self.others:
+                now_runnable = self._runnable()
+                if now_runnable is not None:
+                    self.others = min(self.others, now_runnable)
             threads = max(1, min(self.limit, len(self.cpus) - self.others))
             if threads != self.threads:
                 self._set_threads(threads)

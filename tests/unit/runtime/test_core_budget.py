@@ -16,6 +16,7 @@ from lookahead.runtime.core_budget import (
     CoreBudget,
     busy_seconds,
     cgroup_cpu_quota,
+    runnable_elsewhere,
     wait_until_quiet,
 )
 
@@ -27,6 +28,7 @@ class Machine:
         self.now = 0.0
         self.busy = 0.0
         self.own = 0.0
+        self.runnable: int | None = 8  # threads runnable elsewhere at a look
 
     def advance(self, seconds: float, *, others: float, own: float) -> None:
         self.now += seconds
@@ -43,6 +45,7 @@ def budget(machine: Machine, limit: int, cores: int) -> tuple[CoreBudget, list[i
         machine_seconds=lambda cpus: machine.busy,
         set_threads=calls.append,
     )
+    core_budget._runnable = lambda: machine.runnable
     core_budget.cpus = set(range(cores))
     core_budget.limit = limit
     core_budget.threads = limit
@@ -101,6 +104,39 @@ def test_a_neighbours_burst_that_ended_before_the_window_takes_no_thread() -> No
             machine.advance(SAMPLE_INTERVAL_S / 2, others=0.0, own=0.0)
         assert core_budget.apply() == (2 if watched else 1)
         assert calls == ([] if watched else [1])
+
+
+def test_a_neighbour_that_is_not_runnable_now_holds_no_core() -> None:
+    machine = Machine()
+    core_budget, calls = budget(machine, limit=2, cores=2)
+    core_budget.apply()
+    machine.advance(0.3, others=1.0, own=1.0)  # busy in the window: the other model's last steps
+    machine.runnable = 0  # ... and done by now
+    assert core_budget.apply() == 2
+    machine.advance(0.3, others=1.0, own=1.0)  # a process that spins: runnable at every look
+    machine.runnable = 1
+    assert core_budget.apply() == 1
+    assert calls == [1]
+
+
+def test_runnable_elsewhere_reads_the_fewest_of_a_few_looks(tmp_path: Path) -> None:
+    loadavg = tmp_path / "loadavg"
+    loadavg.write_text("0.52 0.71 0.80 3/412 12345\n")
+    assert runnable_elsewhere(loadavg) == 2
+    loadavg.write_text("0.52 0.71 0.80 1/412 12345\n")
+    assert runnable_elsewhere(loadavg) == 0
+    assert runnable_elsewhere(tmp_path / "missing") is None
+
+
+@pytest.mark.skipif(not Path("/proc/loadavg").exists(), reason="Linux's /proc/loadavg")
+def test_a_real_spinning_process_is_runnable_elsewhere() -> None:
+    child = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.3)
+        assert runnable_elsewhere() >= 1
+    finally:
+        child.kill()
+        child.wait()
 
 
 def test_the_watcher_looks_while_its_budget_lives() -> None:
