@@ -307,19 +307,11 @@ def read_prompts(
     args: argparse.Namespace, binary: Path, systems: list[str], lengths: list[int]
 ) -> list[dict[str, Any]]:
     """Prompt reading: each prompt once to each system, one token each; a row per system and prompt."""
-    from launcher import free_port
 
     prompts = long_prompts(lengths, args.prompts, args.model)
     rows: list[dict[str, Any]] = []
     with (
-        llama_server(
-            binary,
-            args.gguf or default_gguf(args.model),
-            free_port(),
-            args.threads,
-            args.out / "llama-server-prompt-reading.log",
-            ["-c", str(max(lengths) + 512), *args.llama_args.split()],
-        ) as llama_url,
+        _llama(args, binary, "prompt-reading", ["-c", str(max(lengths) + 512)]) as llama_url,
         _triton(args, "prompt-reading") as triton_url,
     ):
         for index, (length, prompt) in enumerate(prompts):
@@ -496,7 +488,6 @@ def main(argv: list[str] | None = None) -> int:
             json.dumps({"summary": summary, "runs": reading}, indent=1) + "\n"
         )
         return 0
-    from launcher import free_port
 
     prompts = chat_prompts(args.prompts, args.model)
     batches: list[Batch] = []
@@ -504,14 +495,7 @@ def main(argv: list[str] | None = None) -> int:
         for turn, mode in enumerate(modes):
             extra = [*LLAMA_MODES[mode], "-np", str(concurrency), "-c", str(4096 * concurrency)]
             with (
-                llama_server(
-                    binary,
-                    args.gguf or default_gguf(args.model),
-                    free_port(),
-                    args.threads,
-                    args.out / f"llama-server-{mode}-c{concurrency}.log",
-                    extra + args.llama_args.split(),
-                ) as llama_url,
+                _llama(args, binary, f"{mode}-c{concurrency}", extra) as llama_url,
                 _triton(args, f"{mode}-c{concurrency}") as triton_url,
             ):
                 order = systems[turn % len(systems) :] + systems[: turn % len(systems)]
@@ -576,6 +560,20 @@ def _ask(system: str, llama_url: str, triton_url: str, max_tokens: int) -> Calla
         return Run(system, index, tokens, seconds)
 
     return ask
+
+
+def _llama(args: argparse.Namespace, binary: Path, name: str, extra: list[str]) -> Any:
+    """llama-server on the run's GGUF file with `extra` and --llama-args, logging to --out."""
+    from launcher import free_port
+
+    return llama_server(
+        binary,
+        args.gguf or default_gguf(args.model),
+        free_port(),
+        args.threads,
+        args.out / f"llama-server-{name}.log",
+        extra + args.llama_args.split(),
+    )
 
 
 @contextmanager
