@@ -374,7 +374,7 @@ class LookaheadDecoder:
         """
         if any(gen.finished for gen in generations):
             raise RuntimeError("step() called on a finished or closed generation")
-        threads = torch.get_num_threads()
+        threads = self.runner.size_team()
         if threads != self.cost_key[1]:
             self.on_threads_changed(threads)
         cost = self.cost

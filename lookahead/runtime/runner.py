@@ -169,6 +169,13 @@ class ModelRunner:
         if self.pool.idle:
             self.pool.free()
 
+    def size_team(self) -> int:
+        """Size the calling thread's team for its next forwards (the core budget, where there is
+        one) and return its size: a step picks the cost curve of the team that will run it."""
+        if self.core_budget is not None:
+            self.core_budget.apply()
+        return torch.get_num_threads()
+
     def forward_segments(self, works: list[Work]) -> list[torch.Tensor | None]:
         """Logits of each segment's draft rows [len(draft), vocab] (None for a chunk without one);
         scored prompt chunks hand their rows' logits to their generation.

@@ -89,6 +89,28 @@ def test_a_step_notices_a_change_of_torch_threads(tiny_model, byte_tokenizer) ->
         torch.set_num_threads(threads)
 
 
+def test_a_step_the_core_budget_resizes_is_credited_to_the_team_that_ran_it(
+    tiny_model, byte_tokenizer
+) -> None:
+    """The budget resizes the team before the step picks its curve, so a one-thread forward never
+    lands on the two-thread curve."""
+    decoder = LookaheadDecoder(tiny_model("llama"), byte_tokenizer, NGramTrie(1000, 8))
+    threads = torch.get_num_threads()
+
+    class Shrinking:
+        def apply(self) -> int:
+            torch.set_num_threads(threads + 1)
+            return threads + 1
+
+    try:
+        decoder.runner.core_budget = Shrinking()
+        decoder.generate([1, 2, 3], SamplingParams(max_tokens=2))
+        assert set(decoder.costs) == {("stock", threads + 1)}
+        assert decoder.costs[("stock", threads + 1)].seconds
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_the_table_shows_the_prediction_beside_the_steps_measured(tiny_model, byte_tokenizer) -> None:
     decoder = LookaheadDecoder(tiny_model("llama"), byte_tokenizer, NGramTrie(1000, 8))
     cost = decoder.measure_cost(budget_s=0.1)
