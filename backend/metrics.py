@@ -115,11 +115,11 @@ STEP_FAMILIES: dict[str, tuple[str, str]] = {
         "Seconds the response thread spent building and sending responses through Triton.",
     ),
 }
-# The planner's cost curve: seconds of a step feeding `width` tokens, as measured at load
-# (source="predicted") and as the latest steps took (source="measured").
+# The planner's cost curve: seconds of a step feeding `width` tokens, its cache reads taken out, as
+# measured at load (source="predicted") and as the latest steps took (source="measured").
 COST_FAMILY = (
     "lookahead_step_cost_seconds",
-    "Seconds of a step by tokens fed: the load-time measurement and the latest steps'.",
+    "Seconds of a step by tokens fed, its cache reads taken out: measured at load and by the latest steps.",
 )
 COST_WIDTHS = (1, 2, 4, 8, 16, 32, 64, 128)
 

@@ -66,16 +66,26 @@ def _interpolate(table: dict[int, float], q: float) -> float:
 @dataclass
 class CostModel:
     """Seconds per forward at q = 1, 2, 4, 8, ... new tokens (medians of the last COST_WINDOW
-    forwards credited to each), interpolated in between.
+    forwards credited to each), interpolated in between, plus what reading the cache costs.
 
     A forward over q tokens is credited to the nearer of the two powers of two around it, scaled
     by the prior's slope between q and that point, so a draft of 20 tokens is neither charged
     for 32 (which would make every width up to 32 look free) nor for 16.
+
+    A step's segments read their requests' cached entries: every segment's first row reads its
+    `start` entries (per_entry seconds each), every further row reads them again (per_row_entry
+    each; a tree's rows share one read of the keys and values, not the scores). Where these
+    were measured (`measured`), a step's context cost is taken out before its seconds are
+    credited to its width, so the width curve says what one more token costs whatever the
+    requests beside it: eight requests' steps priced as eight tokens of one request would make
+    every draft token look several times dearer than it is.
     """
 
     prior: dict[int, float]
     # Seconds per width measured before serving (`measured`); empty when starting from a prior.
     predicted: dict[int, float] = field(default_factory=dict)
+    per_entry: float = 0.0  # seconds per cached entry a segment's first row reads
+    per_row_entry: float = 0.0  # seconds per cached entry each further row of a segment reads
     seconds: dict[int, float] = field(init=False, default_factory=dict)
     _recent: dict[int, deque[float]] = field(init=False, default_factory=dict)
     _relative: dict[int, float] = field(init=False)  # cost(point) / cost(1) for every prior point
@@ -86,11 +96,12 @@ class CostModel:
     def __post_init__(self) -> None:
         self._relative = dict(self.prior)
 
-    def observe_yield(self, tokens: int, q: int) -> None:
-        """A step fed q tokens and its requests kept `tokens` (accepted and bonus)."""
+    def observe_yield(self, tokens: int, price: float) -> None:
+        """A step of relative cost `price` (see `price`) and its requests kept `tokens` (accepted
+        and bonus)."""
         keep = 1.0 - YIELD_EMA
         self._tokens = keep * self._tokens + YIELD_EMA * tokens
-        self._costs = keep * self._costs + YIELD_EMA * self.relative(q)
+        self._costs = keep * self._costs + YIELD_EMA * price
 
     @property
     def rate(self) -> float | None:
@@ -98,20 +109,47 @@ class CostModel:
         return self._tokens / self._costs if self._costs > 0 else None
 
     @classmethod
-    def measured(cls, seconds: dict[int, float]) -> CostModel:
+    def measured(
+        cls,
+        seconds: dict[int, float],
+        context: int = 0,
+        per_entry: float = 0.0,
+        per_row_entry: float = 0.0,
+    ) -> CostModel:
         """Start from the running path's own timings: seconds of a forward of q = 1, 2, 4, ...
-        tokens (every power of two up to the widest measured). Steps then refine the curve, and
+        tokens (every power of two up to the widest measured), one segment after `context`
+        cached entries, and the seconds each cached entry costs (see the class docstring). The
+        curve keeps the widths' seconds without the context's. Steps then refine it, and
         `table` compares them with these."""
         if 1 not in seconds or any(q not in seconds for q in _powers_below(max(seconds))):
             raise ValueError(f"timings for 1, 2, 4, ... tokens needed, got widths {sorted(seconds)}")
-        base = seconds[1]
-        relative = {q: max(s / base, 1.0) for q, s in sorted(seconds.items())}
-        return cls(relative, dict(seconds))
+        own = {
+            q: max(s - context * (per_entry + per_row_entry * (q - 1)), s / 2)
+            for q, s in sorted(seconds.items())
+        }
+        base = own[1]
+        relative = {q: max(s / base, 1.0) for q, s in own.items()}
+        return cls(relative, own, per_entry, per_row_entry)
+
+    def context_seconds(self, entries: int, row_entries: int) -> float:
+        """Seconds a step spends reading the cache: `entries` read by its segments' first rows,
+        `row_entries` by their further rows (see `context_reads`)."""
+        return self.per_entry * entries + self.per_row_entry * row_entries
+
+    def price(self, q: int, entries: int = 0, row_entries: int = 0) -> float:
+        """A step's cost relative to a one-token forward without context: q tokens fed, and the
+        cache reads of `context_reads`."""
+        return self.relative(q) + self.reading(entries, row_entries)
+
+    def reading(self, entries: int, row_entries: int) -> float:
+        """The cache reads' part of `price`."""
+        base = self.seconds.get(1, self.predicted.get(1))
+        return self.context_seconds(entries, row_entries) / base if base else 0.0
 
     def table(self) -> list[tuple[int, float | None, float | None]]:
-        """(width, predicted seconds, measured seconds) per power of two: the prediction made
-        before serving (None without one) and the median of the latest steps credited to that
-        width (None before any)."""
+        """(width, predicted seconds, measured seconds) per power of two, without the context's
+        seconds: the prediction made before serving (None without one) and the median of the
+        latest steps credited to that width (None before any)."""
         base = self.predicted.get(1)
         widths = sorted(set(self.prior) | set(self.seconds))
         return [
@@ -126,7 +164,10 @@ class CostModel:
             return cls(dict(prior))
         return cls(GPU_PRIOR if device_type == "cuda" else STOCK_CPU_PRIOR)
 
-    def observe(self, q: int, seconds: float) -> None:
+    def observe(self, q: int, seconds: float, entries: int = 0, row_entries: int = 0) -> None:
+        """A step fed q tokens in `seconds`, its segments reading the cache as `context_reads`
+        counts: its width is credited with the seconds the context did not take (at least half)."""
+        seconds = max(seconds - self.context_seconds(entries, row_entries), seconds / 2)
         lower, upper, weight = _points(q)
         point = min(upper if weight > 0.5 else lower, max(self.prior))
         seconds *= _interpolate(self.prior, point) / _interpolate(self.prior, q)
@@ -154,6 +195,12 @@ class CostModel:
             if upper > q:
                 slopes.append((self._relative[upper] - self._relative[lower]) / (upper - lower))
         return max(min(slopes), 0.0)
+
+
+def context_reads(segments: Sequence[tuple[int, int]]) -> tuple[int, int]:
+    """(entries, row_entries) of a step's segments, each given as (cached entries before it,
+    rows): the entries their first rows read, and those their further rows read."""
+    return sum(start for start, _ in segments), sum(start * (rows - 1) for start, rows in segments)
 
 
 # Classes of draft nodes whose estimated probabilities mislead alike: the evidence (a copy of the
@@ -290,47 +337,60 @@ def plan_step(
     cost: CostModel,
     token_budget: int,
     other_tokens: int = 0,
+    starts: Sequence[int] | None = None,
+    other_entries: int = 0,
 ) -> list[Draft]:
     """Trim the drafts of one step to the nodes whose expected accepted tokens pay for their cost.
 
     The step feeds every request's root and kept nodes as one ragged row, beside `other_tokens`
-    more (prompt chunks), so it costs cost(k + other_tokens + m) for m kept nodes. Every node's
-    worth is its probability of being accepted, calibrated by its own request's ratios
-    (acceptance differs a lot between, say, code editing and a story). Nodes are taken most
-    likely first across all requests, each after its parent, and the m with the best expected
-    tokens per cost wins (m = 0: plain decoding). Requests that opted out of adaptivity keep
-    their whole draft, within the budget (token_budget - k - other_tokens nodes in all).
-    The m kept maximises gain - rate * cost, or gain / cost before the cost model knows its rate
-    (see the module docstring).
+    more (prompt chunks), so it costs cost(k + other_tokens + m) for m kept nodes, plus its cache
+    reads: each request's root reads its starts[r] cached entries, and so does each node kept
+    for it (CostModel.price; `other_entries`: those the prompt chunks read). Every node's worth
+    is its probability of being accepted, calibrated by its own request's ratios (acceptance
+    differs a lot between, say, code editing and a story). Nodes are taken best first across
+    all requests, each after its parent (most likely first; once the yield rate is known, net
+    of what its own cache reads cost), and the m with the best expected tokens per cost wins
+    (m = 0: plain decoding). Requests that opted out of adaptivity keep their whole draft,
+    within the budget (token_budget - k - other_tokens nodes in all). The m kept maximises
+    gain - rate * cost, or gain / cost before the cost model knows its rate (see the module
+    docstring).
     """
     k = len(drafts)
+    starts = [0] * k if starts is None else starts
     fixed = k + other_tokens
     room = max(0, token_budget - fixed)
     keep: list[list[int]] = [[0] for _ in drafts]
     forced_gain = 0.0
-    candidates: list[tuple[float, int, int]] = []
+    rate = cost.rate
+    node_reads = [cost.reading(0, start) for start in starts]  # relative cost of one more row's reads
+    candidates: list[tuple[float, int, int, float]] = []  # (order, request, node, weight)
     for r, (draft, calibration, free) in enumerate(zip(drafts, calibrations, adaptive)):
         weights = calibration.calibrated(draft)
         if free:
-            candidates.extend((-weights[i], r, i) for i in range(1, len(draft)))
+            net = rate * node_reads[r] if rate is not None else 0.0
+            candidates.extend((net - weights[i], r, i, weights[i]) for i in range(1, len(draft)))
             continue
         taken = list(range(1, min(len(draft), room + 1)))  # DFS order: parents first
         keep[r] += taken
         forced_gain += sum(weights[i] for i in taken)
         room -= len(taken)
-    candidates.sort()  # most likely first; a parent (never less likely) before its children
+    candidates.sort()  # best first; a parent (never less likely, the same reads) before its children
     candidates = candidates[:room]
     best_m, best_value = 0, -math.inf
     gain = float(k) + forced_gain
     base = fixed + sum(len(nodes) - 1 for nodes in keep)
-    rate = cost.rate
+    reads = cost.reading(
+        sum(starts) + other_entries, sum(start * (len(nodes) - 1) for start, nodes in zip(starts, keep))
+    )
     for m in range(len(candidates) + 1):
         if m:
-            gain -= candidates[m - 1][0]
-        price = cost.relative(base + m)
+            _, r, _, weight = candidates[m - 1]
+            gain += weight
+            reads += node_reads[r]
+        price = cost.relative(base + m) + reads
         value = gain / price if rate is None else gain - rate * price
         if value > best_value:
             best_m, best_value = m, value
-    for _, r, i in candidates[:best_m]:
+    for _, r, i, _ in candidates[:best_m]:
         keep[r].append(i)
     return [d if len(nodes) == len(d) else d.subset(sorted(nodes)) for d, nodes in zip(drafts, keep)]

@@ -24,7 +24,7 @@ import torch
 
 from ..algorithm.acceptance import AcceptancePredictor
 from ..algorithm.draft import Draft
-from ..algorithm.planner import CostModel
+from ..algorithm.planner import CostModel, context_reads
 from ..algorithm.recycling import RecycleTable
 from ..algorithm.trie import NGramTrie
 from ..algorithm.verify import Verdict, verify
@@ -33,7 +33,7 @@ from ..structured import CompiledGrammar, GrammarCompiler, GrammarMatcher
 from .core_budget import CoreBudget, wait_until_quiet
 from .generation import Generation, GenerationStats, Shared, Siblings, StepOutput
 from .recycling import recycle
-from .runner import ModelRunner, Work
+from .runner import PROBE_CONTEXT, ModelRunner, Work
 from .scheduler import Scheduler
 from .step_inputs import Segment
 from .step_timing import StepTimes
@@ -42,6 +42,8 @@ from .stop_words import stop_word_ids
 __all__ = ["Generation", "GenerationStats", "LookaheadDecoder", "StepOutput"]
 
 STOP_WORDS_CACHED = 64  # distinct stop_words lists whose token ids are kept
+# The share of measure_cost's budget that times the widths; the rest times reading the cache.
+WIDTHS_SHARE = 0.75
 
 
 class Servable(Protocol):
@@ -151,9 +153,10 @@ class LookaheadDecoder:
         return model
 
     def measure_cost(self, budget_s: float = 1.0, quiet_wait_s: float = 0.0) -> CostModel:
-        """Time this model's forward at a few widths (about budget_s seconds, see
-        ModelRunner.time_widths) and start the current curve from them, first waiting up to
-        quiet_wait_s for other processes to leave the cores (core_budget.wait_until_quiet). Before
+        """Time this model's forward at a few widths and its cache reads (about budget_s seconds,
+        see ModelRunner.time_widths and time_context) and start the current curve from them,
+        first waiting up to quiet_wait_s for other processes to leave the cores
+        (core_budget.wait_until_quiet). Before
         serving: a forward's team that later shrinks or grows (`adaptive_threads`) starts its own
         curve from this one's shape and learns its seconds from its steps, so serving never stops
         to measure."""
@@ -162,12 +165,15 @@ class LookaheadDecoder:
                 f"lookahead cost curve: other processes kept the cores busy for {quiet_wait_s:g} s; "
                 "timed beside them, the steps correct it"
             )
-        seconds = self.runner.time_widths(budget_s)
+        seconds = self.runner.time_widths(budget_s * WIDTHS_SHARE)
         if seconds:
-            self.costs[self.cost_key] = CostModel.measured(seconds)
+            per_entry, per_row_entry = self.runner.time_context(budget_s * (1 - WIDTHS_SHARE)) or (0.0, 0.0)
+            self.costs[self.cost_key] = CostModel.measured(seconds, PROBE_CONTEXT, per_entry, per_row_entry)
             self.debug_log(
                 f"lookahead cost curve of the {self.kernel} kernel on {self.cost_key[1]} threads: "
                 + ", ".join(f"{q} tokens {1000 * t:.2f} ms" for q, t in seconds.items())
+                + f" (after {PROBE_CONTEXT} cached entries); each cached entry read "
+                f"{1e6 * per_entry:.2f} us, again by each further row {1e6 * per_row_entry:.2f} us"
             )
         return self.cost
 
@@ -177,11 +183,12 @@ class LookaheadDecoder:
         self.cost_key = (self.kernel, threads)
 
     def _new_cost_model(self) -> CostModel:
-        """A curve for a (kernel, threads) pair not seen before: the shape measured on this kernel
-        with another team, else the execution path's prior; its steps refine it."""
+        """A curve for a (kernel, threads) pair not seen before: the shape and the cache reads'
+        seconds measured on this kernel with another team, else the execution path's prior; its
+        steps refine it."""
         for (kernel, _), measured in self.costs.items():
             if kernel == self.kernel and measured.predicted:
-                return CostModel(dict(measured.prior))
+                return CostModel(dict(measured.prior), {}, measured.per_entry, measured.per_row_entry)
         return CostModel.for_device(self.device.type, self.prior)
 
     def stop_word_ids(self, words: tuple[int | str, ...]) -> frozenset[int]:
@@ -449,10 +456,12 @@ class LookaheadDecoder:
         )
         elapsed = time.perf_counter() - started
         width = sum(work.segment.width for work in works)
-        cost.observe(width, elapsed)
+        reads = context_reads([(work.segment.start, work.segment.width) for work in works])
+        cost.observe(width, elapsed, *reads)
         # the yield is a statistic of acceptance: a step with a request that does not learn adds none
         if all(not work.segment.prompt and work.gen.config.learn for work in works):
-            cost.observe_yield(sum(len(verdict.tokens) for verdict in verdicts.values()), width)
+            kept = sum(len(verdict.tokens) for verdict in verdicts.values())
+            cost.observe_yield(kept, cost.price(width, *reads))
         outputs = dict(failed)
         committing = 0.0
         for work, logits in zip(works, rows):

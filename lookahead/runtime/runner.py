@@ -9,6 +9,7 @@ is admitted, holding whatever prefix of its prompt the prefix cache has.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -31,6 +32,9 @@ SCORED_ROWS = 256
 # `time_widths`: the cached entries each timed forward reads, and the widest forward timed.
 PROBE_CONTEXT = 128
 PROBE_WIDEST = 128
+# `time_context`: the longer context it times beside PROBE_CONTEXT, and the rows of its wider forward.
+PROBE_LONG_CONTEXT = 1024 + PROBE_CONTEXT
+PROBE_ROWS = 8
 
 
 class _Probe:
@@ -271,39 +275,77 @@ class ModelRunner:
         width's fastest kept. Passes spread over the budget, so a burst of other work (another
         model loading beside this one) inflates one pass, not the curve. {} when the pool has no
         room for the probe."""
-        probe = _Probe(PROBE_CONTEXT + PROBE_WIDEST)
+        seconds: dict[int, float] = {}
+        with self._probe(PROBE_CONTEXT + PROBE_WIDEST) as forward:
+            if forward is None:
+                return {}
+            started = time.perf_counter()
+            forward(PROBE_CONTEXT, 1)  # the first forward pays for allocations
+            q = 1
+            while q <= PROBE_WIDEST:
+                if q > 2 and 2 * seconds[q // 2] > budget_s - (time.perf_counter() - started):
+                    break
+                seconds[q] = forward(PROBE_CONTEXT, q)
+                q *= 2
+            while sum(seconds.values()) < budget_s - (time.perf_counter() - started):
+                for q in seconds:
+                    seconds[q] = min(seconds[q], forward(PROBE_CONTEXT, q))
+        return seconds
+
+    def time_context(self, budget_s: float) -> tuple[float, float] | None:
+        """Seconds a forward spends per cached entry its first row reads, and per entry each
+        further row of its segment reads (CostModel.per_entry, per_row_entry): one row and
+        PROBE_ROWS rows timed after PROBE_CONTEXT and after PROBE_LONG_CONTEXT entries, in
+        passes while the next fits in about budget_s (at least one), each timing's fastest kept.
+        None when the pool has no room for the probe."""
+        shapes = [
+            (context, rows) for rows in (1, PROBE_ROWS) for context in (PROBE_CONTEXT, PROBE_LONG_CONTEXT)
+        ]
+        seconds = dict.fromkeys(shapes, math.inf)
+        with self._probe(PROBE_LONG_CONTEXT + PROBE_ROWS) as forward:
+            if forward is None:
+                return None
+            started = time.perf_counter()
+            forward(PROBE_LONG_CONTEXT, 1)  # the first forward at this length pays for allocations
+            while True:
+                began = time.perf_counter()
+                for shape in shapes:
+                    seconds[shape] = min(seconds[shape], forward(*shape))
+                now = time.perf_counter()
+                if now - started + (now - began) > budget_s:
+                    break
+        entries = PROBE_LONG_CONTEXT - PROBE_CONTEXT
+        first = (seconds[PROBE_LONG_CONTEXT, 1] - seconds[PROBE_CONTEXT, 1]) / entries
+        wide = (seconds[PROBE_LONG_CONTEXT, PROBE_ROWS] - seconds[PROBE_CONTEXT, PROBE_ROWS]) / entries
+        return max(first, 0.0), max(wide - first, 0.0) / (PROBE_ROWS - 1)
+
+    @contextmanager
+    def _probe(self, length: int) -> Iterator[Callable[[int, int], float] | None]:
+        """A pool slot of `length` entries held outside any request while timing: yields a
+        function timing one forward of a chain of `rows` rows after `context` entries (None when
+        the pool has no room), and gives the slot back."""
+        probe = _Probe(length)
         if self.pool.layout is None:
             self.pool.layout = self.kv_layout
         try:
             slot = self.pool.admit(probe, used=self.held_entries())
         except RuntimeError:  # KVCacheFull: the requests running hold the pool
-            return {}
+            yield None
+            return
 
-        def forward(q: int) -> float:
-            draft = Draft([0] * q, list(range(-1, q - 1)))
+        def forward(context: int, rows: int) -> float:
+            draft = Draft([0] * rows, list(range(-1, rows - 1)))
             began = time.perf_counter()
-            self.forward_segments([Work(probe, Segment(slot, PROBE_CONTEXT, [], draft))])  # type: ignore[arg-type]
+            self.forward_segments([Work(probe, Segment(slot, context, [], draft))])  # type: ignore[arg-type]
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             return time.perf_counter() - began
 
-        seconds: dict[int, float] = {}
-        started = time.perf_counter()
         try:
-            forward(1)  # the first forward pays for allocations
-            q = 1
-            while q <= PROBE_WIDEST:
-                if q > 2 and 2 * seconds[q // 2] > budget_s - (time.perf_counter() - started):
-                    break
-                seconds[q] = forward(q)
-                q *= 2
-            while sum(seconds.values()) < budget_s - (time.perf_counter() - started):
-                for q in seconds:
-                    seconds[q] = min(seconds[q], forward(q))
+            yield forward
         finally:
             self.pool.release(probe)
             self.release_idle()
-        return seconds
 
     def forward_drafts(
         self, drafts: list[Draft], lengths: list[int], slots: Sequence[int] | None = None

@@ -228,6 +228,8 @@ def schedule_step(
         cost,
         len(rooted) + chunks + room,
         other_tokens=chunks,
+        starts=[len(request.ids) - 1 for request in rooted],  # the entries before each root
+        other_entries=0 if partial is None else _fed(partial),
     )
     for request, draft in zip(rooted, drafts):
         fed = _fed(request)

@@ -256,3 +256,31 @@ def test_a_measured_curve_starts_the_cost_model_and_is_compared_with_the_steps()
     assert dict((q, m) for q, _, m in cost.table())[4] == 0.040
     with pytest.raises(ValueError, match="1, 2, 4"):
         CostModel.measured({1: 0.01, 4: 0.02})
+
+
+def test_a_steps_cache_reads_are_priced_apart_from_its_width() -> None:
+    # one row reads 1 us per cached entry, each further row 0.5 us more; 128 entries were behind the probe
+    probe = {1: 0.010 + 128e-6, 2: 0.011 + 128e-6 * 1.5, 4: 0.016 + 128e-6 * 2.5}
+    cost = CostModel.measured(probe, context=128, per_entry=1e-6, per_row_entry=0.5e-6)
+    assert cost.predicted == pytest.approx({1: 0.010, 2: 0.011, 4: 0.016})  # the widths' own seconds
+    assert cost.prior == pytest.approx({1: 1.0, 2: 1.1, 4: 1.6})
+    # a step of four requests, one row each, after 1,000 cached entries apiece: the reads took
+    # 4 ms of its 20, and its width is credited with the rest, as a step of four tokens of one request
+    for _ in range(3):
+        cost.observe(4, 0.020, entries=4000, row_entries=0)
+    assert cost.seconds[4] == pytest.approx(0.016)
+    assert cost.price(4, 4000, 0) == pytest.approx(2.0)  # (16 ms + 4 ms) / the 10 ms of one token
+    assert cost.price(1, 0, 2000) == pytest.approx(1.1)  # a further row over 2,000 entries: 1 ms more
+
+
+def test_a_draft_reading_a_long_context_pays_for_its_reads() -> None:
+    cost = CostModel.measured({1: 0.010, 2: 0.0105, 4: 0.011, 8: 0.012}, per_entry=1e-6, per_row_entry=1e-6)
+    for _ in range(40):
+        cost.observe_yield(2, 1.0)  # steps lately yield two tokens per one-token forward's cost
+    drafts = [chain([0.5, 0.45, 0.4]), chain([0.5, 0.45, 0.4])]
+    # alike but for their contexts: each further row after 3,000 entries costs 3 ms, 0.3 of a forward
+    near, far = plan_step(drafts, [Calibration()] * 2, [True] * 2, cost, token_budget=64, starts=[100, 3000])
+    assert len(near) == 4 and len(far) == 1
+    # without the reads priced, both drafts are kept whole
+    both = plan_step(drafts, [Calibration()] * 2, [True] * 2, cost, token_budget=64)
+    assert [len(draft) for draft in both] == [4, 4]

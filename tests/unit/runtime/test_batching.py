@@ -119,18 +119,24 @@ def test_only_prompt_tokens_still_to_read_are_priced_beside_the_drafts(
     from lookahead.runtime import scheduler
 
     seen: list[int] = []
+    starts: list[list[int]] = []
     plan_step = scheduler.plan_step
 
-    def recorded(*args, other_tokens=0):
+    def recorded(*args, other_tokens=0, **kwargs):
         seen.append(other_tokens)
-        return plan_step(*args, other_tokens=other_tokens)
+        starts.append(kwargs["starts"])
+        return plan_step(*args, other_tokens=other_tokens, **kwargs)
 
     monkeypatch.setattr(scheduler, "plan_step", recorded)
     decoder = LookaheadDecoder(tiny_model("llama"), byte_tokenizer, step_token_budget=64)
     gen = decoder.start(list(range(1, 30)), SamplingParams(max_tokens=6, ignore_eos=True))
+    lengths = []
     while not gen.finished:
+        lengths.append(len(gen.ids))
         gen.step()
     assert seen[0] == 28 and set(seen[1:]) == {0}  # the prompt, then nothing but the drafts
+    # each root's draft is priced for the cached entries before the root: all of the text so far
+    assert starts == [[length - 1] for length in lengths]
 
 
 def test_seeded_sampling_in_a_batch_matches_sampling_alone(tiny_model, byte_tokenizer) -> None:

@@ -6,10 +6,12 @@ from __future__ import annotations
 import random
 import time
 
+import pytest
 import torch
 
 from lookahead import LookaheadConfig, LookaheadDecoder, NGramTrie, SamplingParams
 from lookahead.algorithm.cost_priors import STOCK_CPU_PRIOR
+from lookahead.runtime.runner import PROBE_CONTEXT, PROBE_LONG_CONTEXT, PROBE_ROWS
 from lookahead.runtime.step_timing import DECODER_PARTS
 from tests.helpers import repetitive_prompt as random_repetitive
 
@@ -31,6 +33,40 @@ def test_measure_cost_times_the_model_within_its_budget(tiny_model, byte_tokeniz
     assert elapsed < 0.3 + 4 * max(cost.predicted.values()) + 0.5
     assert cost.prior == {q: max(s / cost.predicted[1], 1.0) for q, s in cost.predicted.items()}
     assert decoder.cost is cost and not any(decoder.runner.pool.owners)  # the probe left its slot
+
+
+def test_the_cache_reads_are_timed_apart_and_taken_out_of_the_widths(tiny_model, byte_tokenizer) -> None:
+    decoder = LookaheadDecoder(tiny_model("llama"), byte_tokenizer, NGramTrie(1000, 8))
+    decoder.kv_bytes_per_token
+    runner = decoder.runner
+    timed: list[tuple[int, int]] = []
+    forward = runner.forward_segments
+
+    def recorded(works):
+        timed.extend((work.segment.start, work.segment.width) for work in works)
+        return forward(works)
+
+    runner.forward_segments = recorded  # type: ignore[method-assign]
+    started = time.perf_counter()
+    reads = runner.time_context(0.2)
+    assert reads is not None and time.perf_counter() - started < 0.2 + 0.5
+    assert all(seconds >= 0 for seconds in reads) and not any(runner.pool.owners)
+    shapes = {
+        (PROBE_CONTEXT, 1),
+        (PROBE_LONG_CONTEXT, 1),
+        (PROBE_CONTEXT, PROBE_ROWS),
+        (PROBE_LONG_CONTEXT, PROBE_ROWS),
+    }
+    assert set(timed) == shapes and timed.count((PROBE_CONTEXT, PROBE_ROWS)) >= 1
+
+    runner.time_context = lambda budget_s: (2e-6, 1e-6)  # type: ignore[method-assign]
+    runner.time_widths = lambda budget_s: {1: 0.004, 2: 0.005}  # type: ignore[method-assign]
+    cost = decoder.measure_cost(0.1)
+    probe_reads = PROBE_CONTEXT * 2e-6
+    assert cost.predicted == pytest.approx(
+        {1: 0.004 - probe_reads, 2: 0.005 - probe_reads - PROBE_CONTEXT * 1e-6}
+    )
+    assert (cost.per_entry, cost.per_row_entry) == (2e-6, 1e-6)
 
 
 def test_a_burst_of_other_work_while_measuring_inflates_one_pass_not_the_curve(
