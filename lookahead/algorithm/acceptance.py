@@ -227,13 +227,20 @@ class RequestAcceptance:
         self.predictor = predictor
         self.teaches = teaches
         self.offsets = np.zeros(_S)
+        # The features of the draft last planned: its verdict is observed a forward later.
+        self._planned: tuple[Draft, Features] | None = None
+
+    def _features(self, draft: Draft) -> Features:
+        if self._planned is None or self._planned[0] is not draft:
+            self._planned = (draft, features(draft))
+        return self._planned[1]
 
     def conditionals(self, draft: Draft, found: Features | None = None) -> np.ndarray:
         """[len(draft) - 1] each non-root node's chance of acceptance once its parent is accepted;
         a node's children together at most 1."""
         if len(draft) < 2:
             return np.zeros(0)
-        found = features(draft) if found is None else found
+        found = self._features(draft) if found is None else found
         p = self.predictor.probabilities(found, self.offsets)
         # Never below a share of the drafter's own estimate: a kind of node that is never
         # verified again could never be found to have become reliable.
@@ -252,7 +259,7 @@ class RequestAcceptance:
         """Learn from a verified draft: this request's offsets, and the instance's weights if it teaches."""
         if len(draft) < 2:
             return
-        found = features(draft)
+        found = self._features(draft)
         mask, accepted = verified_nodes(draft, accepted_nodes)
         errors = accepted[mask] - self.predictor.probabilities(found, self.offsets)[mask]
         if self.teaches:

@@ -32,7 +32,9 @@ class TokenSelector(Protocol):
         """The token after the committed tokens and `path` (draft tokens since the root)."""
         ...
 
-    def select_all_greedy(self, logits: torch.Tensor) -> list[int]: ...
+    def greedy_choices(self, logits: torch.Tensor) -> Callable[[int], int]:
+        """Each row's greedy token, by row index (for a selector that needs no path)."""
+        ...
 
 
 @dataclass
@@ -55,8 +57,7 @@ def verify(draft: Draft, logits: torch.Tensor, selector: TokenSelector) -> Verdi
     if selector.needs_path:
         choose = _choose_along_path(draft, logits, selector)
     else:
-        choices = selector.select_all_greedy(logits)
-        choose = choices.__getitem__
+        choose = selector.greedy_choices(logits)
     node, accepted, tokens = 0, [], []
     while True:
         token = choose(node)

@@ -13,7 +13,7 @@ reached along that node's own path, so constrained output is plain constrained d
 from __future__ import annotations
 
 import secrets
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -80,9 +80,9 @@ class TokenSelector:
             return int(scores.argmax())
         return int(torch.multinomial(self.warp(scores).softmax(-1), 1, generator=self.generator))
 
-    def select_all_greedy(self, logits: torch.Tensor) -> list[int]:
-        """Argmax of every row at once: the fast path when no processor reads the path."""
-        return greedy_tokens(logits)
+    def greedy_choices(self, logits: torch.Tensor) -> Callable[[int], int]:
+        """Each row's argmax, by row index: the fast path when no processor reads the path."""
+        return greedy_choices(logits)
 
     def process(self, path: Sequence[int], logits: torch.Tensor) -> torch.Tensor:
         """The logits after the grammar, min_tokens, logit_bias and the penalties, in vLLM's order
@@ -147,6 +147,16 @@ class TokenSelector:
         ids = torch.tensor(list(tokens), device=self.device)
         counts.index_add_(0, ids, torch.ones(len(ids), device=self.device))
         seen[ids] = True
+
+
+def greedy_choices(logits: torch.Tensor) -> Callable[[int], int]:
+    """Row k's argmax for any k, the first index on ties as torch.argmax. On the CPU each row's
+    argmax is taken when asked (verification asks only along the accepted branch, and a row costs
+    a read of the whole vocabulary's logits); elsewhere every row's at once, in one call."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        rows = logits.numpy()
+        return lambda row: int(rows[row].argmax())
+    return greedy_tokens(logits).__getitem__
 
 
 def greedy_tokens(logits: torch.Tensor) -> list[int]:

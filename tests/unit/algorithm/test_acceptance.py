@@ -190,7 +190,23 @@ def test_memory_is_fixed_however_long_it_learns() -> None:
     assert predictor.weights.shape == (WEIGHTS,) and view.offsets.shape == (len(SOURCES),)
     assert np.isfinite(predictor.weights).all()
     assert sorted(vars(predictor)) == ["seen", "weights"]
-    assert sorted(vars(view)) == ["offsets", "predictor", "teaches"]
+    assert sorted(vars(view)) == ["_planned", "offsets", "predictor", "teaches"]
+    assert view._planned is not None and view._planned[0] is draft  # the last draft's features only
+
+
+def test_a_planned_drafts_features_serve_its_verdict_and_a_new_draft_gets_its_own() -> None:
+    rng = random.Random(4)
+    view = AcceptancePredictor().for_request()
+    planned, truth = synthetic_draft(rng)
+    view.calibrated(planned)
+    found = view._planned[1] if view._planned else None
+    view.observe(planned, verdict(planned, truth, rng))
+    assert view._planned is not None and view._planned[1] is found  # computed once for both
+    other, truth = synthetic_draft(rng)
+    alone = AcceptancePredictor().for_request()
+    alone.offsets = view.offsets.copy()
+    alone.predictor.weights = view.predictor.weights.copy()
+    assert view.calibrated(other) == alone.calibrated(other)  # never another draft's features
 
 
 def test_a_view_that_does_not_teach_learns_only_its_own_offsets() -> None:

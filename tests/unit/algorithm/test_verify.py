@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import pytest
 import torch
@@ -59,7 +59,7 @@ class Scripted:
         self.asked.append((tuple(path), int(logits.argmax())))
         return self.after[tuple(path)]
 
-    def select_all_greedy(self, logits: torch.Tensor) -> list[int]:
+    def greedy_choices(self, logits: torch.Tensor) -> Callable[[int], int]:
         raise AssertionError("a selector that needs paths is never batched")
 
 
