@@ -317,17 +317,18 @@ class AcceptanceEstimate(Protocol):
         ...
 
 
-def least_paying_weight(cost: CostModel, requests: int, tokens: int) -> float:
-    """The weight below which no draft node can pay for its place in a step of `requests` roots
-    among `tokens` fed, so retrieval need not look for it: a node pays when its weight exceeds
-    the yield rate times its marginal cost, and no token costs less than the least slope.
+def least_paying_weight(cost: CostModel, requests: int, tokens: int, entries: int = 0) -> float:
+    """The weight below which no draft node of a request whose root follows `entries` cached
+    entries can pay for its place in a step of `requests` roots among `tokens` fed, so retrieval
+    need not look for it: a node pays when its weight exceeds the yield rate times its marginal
+    cost, and no token costs less than the least slope plus its own reads of the cache.
 
     Before steps have been seen, the rate is this step's without drafts: requests / cost(tokens).
     """
     if requests == 0:
         return 0.0
     rate = cost.rate if cost.rate is not None else requests / cost.relative(tokens)
-    return cost.least_slope(tokens) * rate
+    return (cost.least_slope(tokens) + cost.reading(0, entries)) * rate
 
 
 def plan_step(

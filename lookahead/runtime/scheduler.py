@@ -201,12 +201,12 @@ def schedule_step(
     chunks = sum(request.root - _fed(request) for request in rooted if not request.prefilled)
     capped = max_speculative_batch and len(requests) > max_speculative_batch
     room = max(0, free if partial is None else int(free * DRAFT_SHARE_BESIDE_PROMPT))
-    # Retrieval skips nodes too unlikely to pay their way in this step (most of them, when
-    # many requests already share the forward).
-    least = least_paying_weight(cost, len(rooted), len(rooted) + chunks)
     drafts = []
     for request in list(rooted):
         draft = Draft.root_only(request.ids[-1])
+        # Retrieval skips nodes too unlikely to pay their way in this step (most of them, when
+        # many requests already share the forward, or this one reads a long context).
+        least = least_paying_weight(cost, len(rooted), len(rooted) + chunks, len(request.ids) - 1)
         # Where no node can pay (least >= 1: a compute-bound step of many requests), an adaptive
         # request declines to draft, and its retrieval is not paid for either.
         declined = request.config.adaptive and least >= 1.0

@@ -242,6 +242,27 @@ def test_no_node_lighter_than_the_least_paying_weight_ever_joins_a_plan() -> Non
     assert least_paying_weight(cost, 8, 8) > 0.5 > 0.1 > least_paying_weight(cost, 1, 1)
 
 
+def test_no_node_lighter_than_its_requests_least_paying_weight_joins_a_plan_beside_cache_reads() -> None:
+    rng = random.Random(5)
+    seconds = {1: 0.010, 2: 0.0102, 4: 0.0106, 8: 0.013, 16: 0.019, 32: 0.033}
+    cost = CostModel.measured(seconds, per_entry=2e-6, per_row_entry=0.5e-6)
+    for _ in range(40):
+        cost.observe_yield(3, 1.5)
+    for _ in range(200):
+        k = rng.randrange(1, 9)
+        starts = [rng.randrange(0, 8000) for _ in range(k)]
+        drafts = [
+            chain(sorted((rng.uniform(0.0, 1.0) for _ in range(rng.randrange(0, 8))), reverse=True))
+            for _ in range(k)
+        ]
+        plan = plan_step(drafts, [Calibration()] * k, [True] * k, cost, token_budget=128, starts=starts)
+        for planned, start in zip(plan, starts):
+            least = least_paying_weight(cost, k, k, start)
+            assert all(weight >= least for weight in Calibration().calibrated(planned)[1:])
+    # the same node pays beside a short context and not beside a long one
+    assert least_paying_weight(cost, 1, 1, 100) < least_paying_weight(cost, 1, 1, 8000)
+
+
 def test_a_measured_curve_starts_the_cost_model_and_is_compared_with_the_steps() -> None:
     seconds = {1: 0.010, 2: 0.011, 4: 0.016}
     cost = CostModel.measured(seconds)
