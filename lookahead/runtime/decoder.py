@@ -156,10 +156,9 @@ class LookaheadDecoder:
         """Time this model's forward at a few widths and its cache reads (about budget_s seconds,
         see ModelRunner.time_widths and time_context) and start the current curve from them,
         first waiting up to quiet_wait_s for other processes to leave the cores
-        (core_budget.wait_until_quiet). Before
-        serving: a forward's team that later shrinks or grows (`adaptive_threads`) starts its own
-        curve from this one's shape and learns its seconds from its steps, so serving never stops
-        to measure."""
+        (core_budget.wait_until_quiet). Before serving: a forward's team that later shrinks or
+        grows (`adaptive_threads`) starts its own curve from this one's shape and learns its
+        seconds from its steps, so serving never stops to measure."""
         if quiet_wait_s > 0 and wait_until_quiet(quiet_wait_s) is None:
             self.debug_log(
                 f"lookahead cost curve: other processes kept the cores busy for {quiet_wait_s:g} s; "
