@@ -108,15 +108,24 @@ std::vector<Visibility> visible_entries(const std::vector<RowPlan>& rows) {
 struct AttentionUnit {
   int64_t first_row, rows, first_head, heads;
 };
-constexpr int64_t kQueriesPerUnit = 32;
+constexpr int64_t kQueriesPerUnit = 128;
 
-// As few units as keep every thread busy: rows of a slot in chunks of up to 8 (fewer where the key
-// groups hold many heads), halved while there are fewer than two units a thread, then one head a
-// unit if still too few.
-std::vector<AttentionUnit> attention_units(const std::vector<RowPlan>& rows, int64_t heads, int64_t kv_heads,
-                                           int64_t threads) {
+// Where a unit's keys and values outgrow this, reading them once counts for more than an even
+// share of the work: a key/value head's whole group of query heads goes in one unit.
+constexpr int64_t kCachedHistoryBytes = 512 * 1024;
+
+// As few units as keep every thread busy: rows of a slot in chunks of up to 16 (fewer where the
+// key groups hold many heads), halved while there are too few units, then one head a unit if still
+// too few. Too few: under two units a thread over histories that stay in cache, under one a thread
+// over longer ones.
+std::vector<AttentionUnit> attention_units(const std::vector<RowPlan>& rows, const std::vector<Visibility>& visible,
+                                           int64_t heads, int64_t kv_heads, int64_t dim, int64_t threads) {
   const int64_t group = heads / kv_heads;
-  int64_t chunk = std::clamp<int64_t>(kQueriesPerUnit / group, 1, 8);
+  size_t longest = 0;
+  for (const auto& seen : visible) longest = std::max(longest, seen.entries.size());
+  const bool long_history = static_cast<int64_t>(longest) * dim * 2 * 4 > kCachedHistoryBytes;
+  const int64_t enough = long_history ? threads : 2 * threads;
+  int64_t chunk = std::clamp<int64_t>(kQueriesPerUnit / group, 1, 16);
   std::vector<std::pair<int64_t, int64_t>> chunks;
   while (true) {
     chunks.clear();
@@ -126,11 +135,11 @@ std::vector<AttentionUnit> attention_units(const std::vector<RowPlan>& rows, int
       chunks.emplace_back(static_cast<int64_t>(r), static_cast<int64_t>(end - r));
       r = end;
     }
-    if (chunk == 1 || static_cast<int64_t>(chunks.size()) * kv_heads >= 2 * threads) break;
+    if (chunk == 1 || static_cast<int64_t>(chunks.size()) * kv_heads >= enough) break;
     chunk = (chunk + 1) / 2;
   }
   const int64_t heads_per_unit =
-      static_cast<int64_t>(chunks.size()) * kv_heads >= 2 * threads ? std::min(group, kQueriesPerUnit) : 1;
+      static_cast<int64_t>(chunks.size()) * kv_heads >= enough ? std::min(group, kQueriesPerUnit) : 1;
   // Key/value head by key/value head, so that a thread's consecutive units share their entries.
   std::vector<AttentionUnit> units;
   for (int64_t head = 0; head < heads; head += heads_per_unit)
@@ -175,114 +184,148 @@ F32x16 dots16(const float* query, const float* const* keys, int64_t n, int64_t c
   return reduce_add16(partials);
 }
 
+// A query's softmax runs span by span over its list of entries ([0, 256), [256, 512), ... by
+// place in the list) and merges the spans in order. A span's scores and values stay in cache while
+// every query of its unit reads them, and where spans fall depends on the query's list alone.
+constexpr int64_t kSpan = 256;
+constexpr int64_t kScoreStride = kSpan + kLanes;
+
 // A unit's queries over the entries each sees: softmax(q . k * scaling) . v. The entries every row
 // of the unit sees first (the shared history) are read once for all of its queries; each query
-// still visits its own entries in pool order with the same operations as alone, so its result
+// still visits its own entries in list order with the same operations as alone, so its result
 // does not depend on which queries share the unit. Entry i of a row's list always takes the same
-// lane of the softmax's sum (i mod 16), so the same token at the same place in its history gets
-// the same bits in a tree and in plain decoding.
+// lane of its span's sum (i mod 16), so the same token at the same place in its history gets the
+// same bits in a tree and in plain decoding. `scores`: kQueriesPerUnit * kScoreStride floats.
 template <int C>
 void attend(const AttentionUnit& unit, const float* qkv, int64_t qkv_width, const float* keys, const float* values,
-            const std::vector<Visibility>& visible, int64_t dim, float scaling,
-            std::vector<float> (&scores)[kQueriesPerUnit], float* out, int64_t out_stride) {
+            const std::vector<Visibility>& visible, int64_t dim, float scaling, float* scores, float* out,
+            int64_t out_stride) {
   const int64_t chunks = C > 0 ? C : dim / kLanes;
   const int64_t Q = unit.rows * unit.heads;
   const Visibility* seen[kQueriesPerUnit];
   const float* query[kQueriesPerUnit];
-  float* result[kQueriesPerUnit];
-  int64_t shared = std::numeric_limits<int64_t>::max();
+  float* result[kQueriesPerUnit];  // the running weighted values, divided by the total at the end
+  int64_t shared = std::numeric_limits<int64_t>::max(), longest = 0;
   for (int64_t i = 0; i < Q; ++i) {
     const int64_t row = unit.first_row + i / unit.heads, head = unit.first_head + i % unit.heads;
     seen[i] = &visible[row];
     query[i] = qkv + row * qkv_width + head * dim;
     result[i] = out + row * out_stride + head * dim;
     shared = std::min(shared, seen[i]->prefix);
-    scores[i].resize(seen[i]->entries.size() + kLanes);
+    longest = std::max(longest, static_cast<int64_t>(seen[i]->entries.size()));
   }
   const F32x16 scale = F32x16::broadcast(scaling);
   const float* block[kLanes];
-  for (int64_t j = 0; j < shared; j += kLanes) {
-    const int64_t n = std::min(kLanes, shared - j);
-    for (int64_t k = 0; k < n; ++k) block[k] = keys + (j + k) * dim;
-    for (int64_t i = 0; i < Q; ++i)
-      F32x16::mul(dots16<C>(query[i], block, n, chunks), scale).store(scores[i].data() + j);
-  }
-  float total[kQueriesPerUnit];
-  for (int64_t i = 0; i < Q; ++i) {
-    const auto& entries = seen[i]->entries;
-    const int64_t count = static_cast<int64_t>(entries.size()), padded = (count + kLanes - 1) / kLanes * kLanes;
-    float* row = scores[i].data();
-    for (int64_t e = shared; e < count; e += kLanes) {
-      const int64_t n = std::min(kLanes, count - e);
-      for (int64_t k = 0; k < n; ++k) block[k] = keys + entries[e + k] * dim;
-      F32x16::mul(dots16<C>(query[i], block, n, chunks), scale).store(row + e);
-    }
-    std::fill(row + count, row + padded, -std::numeric_limits<float>::infinity());
-    F32x16 best = F32x16::broadcast(-std::numeric_limits<float>::infinity());
-    for (int64_t e = 0; e < padded; e += kLanes) best = F32x16::max(best, F32x16::load(row + e));
-    const F32x16 shift = F32x16::broadcast(reduce_max(best));
-    for (int64_t e = 0; e < padded; e += kLanes) exp(F32x16::sub(F32x16::load(row + e), shift)).store(row + e);
-    std::fill(row + count, row + padded, 0.0f);
-    F32x16 sum = F32x16::zero();
-    for (int64_t e = 0; e < padded; e += kLanes) sum = F32x16::add(sum, F32x16::load(row + e));
-    total[i] = reduce_add(sum);
-  }
-  // The weighted values: a multiply-add per entry in list order. Where C is known, T queries and
-  // every chunk of the head at once, over spans of shared entries whose values (16 KB) stay in L1
-  // while every group of queries reads them; else chunk by chunk.
-  constexpr int64_t T = C > 0 ? std::max<int64_t>(1, kAttentionAccumulators / C) : 1;
-  constexpr int64_t width = C > 0 ? C : 1;
-  constexpr int64_t span = 256 / width;
-  F32x16 sums[kQueriesPerUnit][width];
-  for (int64_t d0 = 0; d0 < chunks; d0 += width) {
-    for (int64_t i = 0; i < Q; ++i)
-      for (int64_t c = 0; c < width; ++c) sums[i][c] = F32x16::zero();
-    for (int64_t j0 = 0; j0 < shared; j0 += span) {
-      const int64_t j1 = std::min(shared, j0 + span);
-      for (int64_t first = 0; first < Q; first += T) {
-        const int64_t last = std::min(Q, first + T);
-        // A group short of T queries repeats its last one (results dropped), so that every loop
-        // here has a fixed count and the accumulators stay in registers.
-        const float* weights[T];
-        F32x16 acc[T][width];
-        for (int64_t t = 0; t < T; ++t) {
-          const int64_t i = std::min(first + t, last - 1);
-          weights[t] = scores[i].data();
-          for (int64_t c = 0; c < width; ++c) acc[t][c] = sums[i][c];
-        }
-        for (int64_t j = j0; j < j1; ++j) {
-          const float* value = values + j * dim + d0 * kLanes;
-#pragma GCC unroll 16
-          for (int64_t t = 0; t < T; ++t) {
-            const F32x16 p = F32x16::broadcast(weights[t][j]);
-#pragma GCC unroll 8
-            for (int64_t c = 0; c < width; ++c)
-              acc[t][c] = F32x16::fmadd(p, F32x16::load(value + c * kLanes), acc[t][c]);
-          }
-        }
-        for (int64_t i = first; i < last; ++i)
-          for (int64_t c = 0; c < width; ++c) sums[i][c] = acc[i - first][c];
-      }
+  // Each query's running softmax: its largest score so far, the sum of e^(score - largest), and
+  // the factors that carry the weighted values so far (kept) and the span's (taken) over to it.
+  float largest[kQueriesPerUnit], total[kQueriesPerUnit], kept[kQueriesPerUnit], taken[kQueriesPerUnit];
+  for (int64_t e0 = 0; e0 < longest; e0 += kSpan) {
+    const int64_t e1 = e0 + kSpan, common = std::clamp(shared, e0, e1);  // [e0, common): entry j is j for all
+    for (int64_t j = e0; j < common; j += kLanes) {
+      const int64_t n = std::min(kLanes, common - j);
+      for (int64_t k = 0; k < n; ++k) block[k] = keys + (j + k) * dim;
+      for (int64_t i = 0; i < Q; ++i)
+        F32x16::mul(dots16<C>(query[i], block, n, chunks), scale).store(scores + i * kScoreStride + (j - e0));
     }
     for (int64_t i = 0; i < Q; ++i) {
       const auto& entries = seen[i]->entries;
-      const int64_t count = static_cast<int64_t>(entries.size());
-      const F32x16 divisor = F32x16::broadcast(total[i]);
-      for (int64_t c = 0; c < width; ++c) {
-        F32x16 a = sums[i][c];
-        for (int64_t e = shared; e < count; ++e)
-          a = F32x16::fmadd(F32x16::broadcast(scores[i][e]), F32x16::load(values + entries[e] * dim + (d0 + c) * kLanes),
-                            a);
-        F32x16::div(a, divisor).store(result[i] + (d0 + c) * kLanes);
+      const int64_t end = std::min(e1, static_cast<int64_t>(entries.size()));
+      if (end <= e0) continue;
+      float* row = scores + i * kScoreStride;
+      for (int64_t e = common; e < end; e += kLanes) {
+        const int64_t n = std::min(kLanes, end - e);
+        for (int64_t k = 0; k < n; ++k) block[k] = keys + entries[e + k] * dim;
+        F32x16::mul(dots16<C>(query[i], block, n, chunks), scale).store(row + (e - e0));
+      }
+      const int64_t count = end - e0, padded = (count + kLanes - 1) / kLanes * kLanes;
+      std::fill(row + count, row + padded, -std::numeric_limits<float>::infinity());
+      F32x16 best = F32x16::broadcast(-std::numeric_limits<float>::infinity());
+      for (int64_t e = 0; e < padded; e += kLanes) best = F32x16::max(best, F32x16::load(row + e));
+      const float span_largest = reduce_max(best);
+      const F32x16 shift = F32x16::broadcast(span_largest);
+      for (int64_t e = 0; e < padded; e += kLanes) exp(F32x16::sub(F32x16::load(row + e), shift)).store(row + e);
+      std::fill(row + count, row + padded, 0.0f);
+      F32x16 sum = F32x16::zero();
+      for (int64_t e = 0; e < padded; e += kLanes) sum = F32x16::add(sum, F32x16::load(row + e));
+      const float span_total = reduce_add(sum);
+      if (e0 == 0) {
+        largest[i] = span_largest;
+        total[i] = span_total;
+        continue;
+      }
+      const float merged = std::max(largest[i], span_largest);
+      kept[i] = std::exp(largest[i] - merged);
+      taken[i] = std::exp(span_largest - merged);
+      total[i] = total[i] * kept[i] + span_total * taken[i];
+      largest[i] = merged;
+    }
+    // The span's weighted values: a multiply-add per entry in list order. Where C is known, T
+    // queries and every chunk of the head at once, over stretches of shared entries whose values
+    // (16 KB) stay in L1 while every group of queries reads them; else chunk by chunk.
+    constexpr int64_t T = C > 0 ? std::max<int64_t>(1, kAttentionAccumulators / C) : 1;
+    constexpr int64_t width = C > 0 ? C : 1;
+    constexpr int64_t stretch = 256 / width;
+    F32x16 sums[kQueriesPerUnit][width];
+    for (int64_t d0 = 0; d0 < chunks; d0 += width) {
+      for (int64_t i = 0; i < Q; ++i)
+        for (int64_t c = 0; c < width; ++c) sums[i][c] = F32x16::zero();
+      for (int64_t j0 = e0; j0 < common; j0 += stretch) {
+        const int64_t j1 = std::min(common, j0 + stretch);
+        for (int64_t first = 0; first < Q; first += T) {
+          const int64_t last = std::min(Q, first + T);
+          // A group short of T queries repeats its last one (results dropped), so that every loop
+          // here has a fixed count and the accumulators stay in registers.
+          const float* weights[T];
+          F32x16 acc[T][width];
+          for (int64_t t = 0; t < T; ++t) {
+            const int64_t i = std::min(first + t, last - 1);
+            weights[t] = scores + i * kScoreStride - e0;
+            for (int64_t c = 0; c < width; ++c) acc[t][c] = sums[i][c];
+          }
+          for (int64_t j = j0; j < j1; ++j) {
+            const float* value = values + j * dim + d0 * kLanes;
+#pragma GCC unroll 16
+            for (int64_t t = 0; t < T; ++t) {
+              const F32x16 p = F32x16::broadcast(weights[t][j]);
+#pragma GCC unroll 8
+              for (int64_t c = 0; c < width; ++c)
+                acc[t][c] = F32x16::fmadd(p, F32x16::load(value + c * kLanes), acc[t][c]);
+            }
+          }
+          for (int64_t i = first; i < last; ++i)
+            for (int64_t c = 0; c < width; ++c) sums[i][c] = acc[i - first][c];
+        }
+      }
+      for (int64_t i = 0; i < Q; ++i) {
+        const auto& entries = seen[i]->entries;
+        const int64_t end = std::min(e1, static_cast<int64_t>(entries.size()));
+        if (end <= e0) continue;
+        const float* weight = scores + i * kScoreStride - e0;
+        for (int64_t c = 0; c < width; ++c) {
+          F32x16 a = sums[i][c];
+          for (int64_t e = common; e < end; ++e)
+            a = F32x16::fmadd(F32x16::broadcast(weight[e]), F32x16::load(values + entries[e] * dim + (d0 + c) * kLanes),
+                              a);
+          float* running = result[i] + (d0 + c) * kLanes;
+          if (e0 > 0)
+            a = F32x16::fmadd(a, F32x16::broadcast(taken[i]),
+                              F32x16::mul(F32x16::load(running), F32x16::broadcast(kept[i])));
+          a.store(running);
+        }
       }
     }
+  }
+  for (int64_t i = 0; i < Q; ++i) {
+    const F32x16 divisor = F32x16::broadcast(total[i]);
+    for (int64_t c = 0; c < chunks; ++c)
+      F32x16::div(F32x16::load(result[i] + c * kLanes), divisor).store(result[i] + c * kLanes);
   }
 }
 
 // attend<C> for the head sizes met in practice (64, 128), with the loops along the head unrolled.
 void attend_any(const AttentionUnit& unit, const float* qkv, int64_t qkv_width, const float* keys,
                 const float* values, const std::vector<Visibility>& visible, int64_t dim, float scaling,
-                std::vector<float> (&scores)[kQueriesPerUnit], float* out, int64_t out_stride) {
+                float* scores, float* out, int64_t out_stride) {
   switch (dim / kLanes) {
     case 4:
       return attend<4>(unit, qkv, qkv_width, keys, values, visible, dim, scaling, scores, out, out_stride);
@@ -411,7 +454,7 @@ torch::Tensor FusedStack::forward(const torch::Tensor& hidden, const torch::Tens
   const float* sin_data = sin.data_ptr<float>();
   const int threads = static_cast<int>(std::max<int64_t>(1, at::get_num_threads()));
   const std::vector<Visibility> visible = visible_entries(rows);
-  const std::vector<AttentionUnit> units = attention_units(rows, heads, kv_heads, threads);
+  const std::vector<AttentionUnit> units = attention_units(rows, visible, heads, kv_heads, D, threads);
   const std::vector<double> unit_costs = attention_costs(units, visible);
 
 #pragma omp parallel num_threads(threads)
@@ -419,7 +462,7 @@ torch::Tensor FusedStack::forward(const torch::Tensor& hidden, const torch::Tens
     const int thread = omp_get_thread_num(), team = omp_get_num_threads();
     const auto [row_begin, row_end] = thread_share(M, thread, team);
     const auto [unit_begin, unit_end] = weighted_share(unit_costs, thread, team);
-    std::vector<float> scores[kQueriesPerUnit];
+    std::vector<float> scores(kQueriesPerUnit * kScoreStride);
     // Thread 0's time in each step, and at the barriers (waiting for the others).
     const bool timing = profiling && thread == 0;
     auto last = Clock::now();
@@ -467,7 +510,7 @@ torch::Tensor FusedStack::forward(const torch::Tensor& hidden, const torch::Tens
         const int64_t g = unit.first_head / (heads / kv_heads);
         const int64_t slot_start = (rows[unit.first_row].slot * kv_heads + g) * capacity * D;
         attend_any(unit, qkv.data(), qkv_width, key_pool + slot_start, value_pool + slot_start, visible, D,
-               static_cast<float>(layer.scaling), scores, attended.data(), heads * D);
+               static_cast<float>(layer.scaling), scores.data(), attended.data(), heads * D);
       }
       done(kAttention);
       quantise_rows(o_in, attended.data(), row_begin, row_end);

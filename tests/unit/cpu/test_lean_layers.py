@@ -176,6 +176,56 @@ def test_the_integer_kernel_runs_fused_layers_close_to_the_lean_ones(
     assert 0 < distance < 1e-4  # its own rounding, nowhere near a different computation
 
 
+def long_history_probe(lean: LeanLlamaModel, stack: Any, history: int) -> torch.Tensor:
+    """Hidden states of a stack over a fresh pool: a causal chunk of `history` tokens, then a
+    3-node tree (a root and two children) after it."""
+    layers, vocab = len(lean.layers), lean.embed_tokens.num_embeddings
+    pool = [torch.zeros(1, lean.config.num_key_value_heads, history + 3, 16) for _ in range(2 * layers)]
+    outputs = []
+    with torch.inference_mode():
+        for tokens, positions, visible in (
+            (
+                [(7 * i + 3) % vocab for i in range(history)],
+                list(range(history)),
+                torch.ones(history, history).tril(),
+            ),
+            (
+                [31, 32, 33],
+                [history, history + 1, history + 1],
+                torch.tensor([[1.0, 0, 0], [1, 1, 0], [1, 0, 1]]),
+            ),
+        ):
+            start = positions[0]
+            hidden = lean.embed_tokens(torch.tensor([tokens]))
+            cos, sin = lean.rotary_emb(hidden, position_ids=torch.tensor([positions]))
+            seen = torch.cat([torch.ones(len(tokens), start), visible], 1)
+            mask = torch.zeros(1, 1, *seen.shape).masked_fill_(
+                seen[None, None] == 0, torch.finfo(torch.float32).min
+            )
+            step = lean.pool_step(torch.tensor([[0, start, len(tokens)]]), None, None, start + len(tokens))
+            outputs.append(stack(hidden, cos, sin, mask, pool[:layers], pool[layers:], step)[0])
+    return torch.cat(outputs)
+
+
+@pytest.mark.parametrize("architecture", ["llama", "qwen2"])
+def test_a_long_history_attends_across_softmax_spans_as_the_lean_stack_does(
+    architecture: str, extension: Any
+) -> None:
+    """The fused stack's softmax runs over spans of 256 entries and merges them; over a 600-entry
+    history a causal chunk and a tree after it land where the lean stack's single softmax does
+    (exact matrices, so that only the attention's rounding differs)."""
+    model = build_tiny_model(architecture, max_position_embeddings=1024)
+    pack_linear_layers(model, extension)
+    assert use_lean_layers(model, extension, fused=True)
+    lean = model.model
+    assert type(lean.stack).__name__ == "FusedStack"
+    exact = long_history_probe(lean, extension.LeanStack([layer.lean for layer in lean.layers]), 600)
+    fused = long_history_probe(lean, lean.stack, 600)
+    assert exact.shape == fused.shape == (603, lean.config.hidden_size)
+    distance = (fused - exact).norm(dim=-1) / exact.norm(dim=-1)
+    assert float(distance[256:].max()) < 1e-6  # the rows that merge two or three spans
+
+
 def test_a_fused_stack_that_computes_something_else_is_refused(
     monkeypatch: pytest.MonkeyPatch, extension: Any
 ) -> None:
@@ -201,17 +251,19 @@ def test_the_default_model_on_the_integer_kernel_runs_fused_layers_on_int8_activ
 
 
 @pytest.mark.skipif(not runnable_variants(), reason="no variant of the fast CPU path runs on this CPU")
-def test_every_node_of_a_wide_tree_gets_plain_decodings_bits_on_the_fused_stack() -> None:
+@pytest.mark.parametrize("history", [40, 250, 520])
+def test_every_node_of_a_wide_tree_gets_plain_decodings_bits_on_the_fused_stack(history: int) -> None:
     """Attention units share keys across rows and heads; each node must still see exactly what
-    plain decoding of its branch sees, bit for bit (a 40-token history: full and partial blocks of
-    16 keys; 20 nodes: units of several rows, own entries past the shared history)."""
+    plain decoding of its branch sees, bit for bit. A 40-token history: full and partial blocks of
+    16 keys; 20 nodes: units of several rows, own entries past the shared history. 250 and 520:
+    softmax spans of 256 entries that end inside the tree and inside the shared history."""
     from lookahead.models.loading import load_model
     from lookahead.runtime.runner import ModelRunner
 
     loaded = load_model(linear_kernel="integer")
     assert type(loaded.model.model.stack).__name__ == "FusedStack"
     runner = ModelRunner(loaded.model, prefix_cache_tokens=0, kv_cache_bytes=0)
-    prompt = [(37 * i + 11) % 5000 + 100 for i in range(40)]
+    prompt = [(37 * i + 11) % 5000 + 100 for i in range(history)]
     parents = [-1, 0, 0, 1, 1, 2, 3, 3, 4, 5, 6, 7, 8, 9, 9, 10, 11, 12, 13, 14]
     tokens = [(53 * i + 7) % 4000 + 300 for i in range(len(parents))]
     with torch.inference_mode(), runner.scratch_slot() as slot:
@@ -231,16 +283,16 @@ def test_every_node_of_a_wide_tree_gets_plain_decodings_bits_on_the_fused_stack(
 @pytest.mark.skipif(not runnable_variants(), reason="no variant of the fast CPU path runs on this CPU")
 def test_the_fused_stack_gives_the_same_bits_whatever_the_teams_size() -> None:
     """Threads share out matrix columns and attention units (weighted by the entries each reads),
-    never a sum: a step of a long causal prompt chunk beside a tree over another slot's history
-    comes out bit for bit the same on 1, 2 and 3 threads."""
+    never a sum: a step of a long causal prompt chunk beside a tree over another slot's history,
+    both past a softmax span's 256 entries, comes out bit for bit the same on 1, 2 and 3 threads."""
     from lookahead.models.loading import load_model
     from lookahead.runtime.runner import ModelRunner
 
     loaded = load_model(linear_kernel="integer")
     assert type(loaded.model.model.stack).__name__ == "FusedStack"
     runner = ModelRunner(loaded.model, prefix_cache_tokens=0, kv_cache_bytes=0)
-    history = [(31 * i + 5) % 5000 + 100 for i in range(90)]
-    chunk = [(17 * i + 3) % 5000 + 100 for i in range(70)]
+    history = [(31 * i + 5) % 5000 + 100 for i in range(300)]
+    chunk = [(17 * i + 3) % 5000 + 100 for i in range(270)]
     parents = [-1, 0, 0, 1, 2, 2, 4]
     tree = [(53 * i + 7) % 4000 + 300 for i in range(len(parents))]
     threads = torch.get_num_threads()
