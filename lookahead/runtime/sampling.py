@@ -156,12 +156,4 @@ def greedy_choices(logits: torch.Tensor) -> Callable[[int], int]:
     if logits.device.type == "cpu" and logits.dtype == torch.float32:
         rows = logits.numpy()
         return lambda row: int(rows[row].argmax())
-    return greedy_tokens(logits).__getitem__
-
-
-def greedy_tokens(logits: torch.Tensor) -> list[int]:
-    """Each row's argmax, the first index on ties as torch.argmax. On the CPU numpy's argmax of a
-    vocabulary-sized row costs a fraction of torch's, and every verified row pays it."""
-    if logits.device.type == "cpu" and logits.dtype == torch.float32:
-        return logits.numpy().argmax(-1).tolist()
-    return logits.argmax(-1).tolist()
+    return logits.argmax(-1).tolist().__getitem__
