@@ -13,7 +13,9 @@ progress on the terminal).
 A stop ends everything within tritonserver.STOP_TIMEOUT_S, a client's open stream notwithstanding;
 whatever ends the launcher (SIGKILL included) ends the processes it started; an endpoint that
 dies, or cannot serve its port, stops it with exit code 1. A model whose backend stub dies is
-restarted (launcher/supervisor.py), unless the arguments after -- choose a --model-control-mode.
+restarted (launcher/supervisor.py), unless the arguments after -- choose a --model-control-mode;
+a tritonserver that a signal ends (an abort, the OOM killer) is started again, its models warm from
+their trie snapshots, up to CRASH_RESTARTS times an hour.
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ from .supervisor import Supervisor
 from .tritonserver import REPO_ROOT, TritonServer, TritonServerError, start_server
 
 LOGS_DIR = REPO_ROOT / ".cache" / "logs"
+CRASH_RESTARTS = 3  # tritonserver is started again after a crash at most this often ...
+CRASH_WINDOW_S = 3600.0  # ... within this many seconds
 
 
 def model_override(value: str) -> str:
@@ -88,6 +92,35 @@ def _follow(path: Path, offset: int, stop: threading.Event) -> None:
                 return
             else:
                 time.sleep(0.2)
+
+
+def restart_after_crash(code: int | None, crashes: list[float], now: float | None = None) -> bool:
+    """Whether to start tritonserver again after it ended with `code`: yes when a signal ended it
+    (an abort in native code, the OOM killer), at most CRASH_RESTARTS times within CRASH_WINDOW_S;
+    `crashes` keeps the times. An exit of its own (a bad argument, a port taken) ends the launcher."""
+    if code is None or code >= 0:
+        return False
+    now = time.monotonic() if now is None else now
+    crashes[:] = [t for t in crashes if now - t < CRASH_WINDOW_S]
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        name = f"signal {-code}"
+    if len(crashes) >= CRASH_RESTARTS:
+        print(
+            f"error: tritonserver ended by {name}, {CRASH_RESTARTS + 1} crashes within {CRASH_WINDOW_S:g} s; "
+            "stopping",
+            file=sys.stderr,
+            flush=True,
+        )
+        return False
+    crashes.append(now)
+    print(
+        f"error: tritonserver ended by {name}; starting it again (the log says why)",
+        file=sys.stderr,
+        flush=True,
+    )
+    return True
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -167,9 +200,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     endpoint_died = False
     stop_signal: list[int] = []  # the first SIGINT/SIGTERM once serving: the main thread stops the server
     stop_requested = threading.Event()
+    restarting: list[bool] = []  # non-empty while a crashed tritonserver is started again
+
+    def serve() -> tuple[TritonServer, Supervisor | None]:
+        started = start_server(
+            args.model_repository,
+            http_port=args.http_port,
+            grpc_port=args.grpc_port,
+            metrics_port=args.metrics_port,
+            log_file=log_path,
+            extra_args=extra,
+            extra_env=extra_env,
+            ready_timeout_s=args.ready_timeout,
+            admin_key=admin_key,
+            address=args.address,
+        )
+        if admin_key is None or started.drain is None:
+            return started, None
+        return started, Supervisor(started.drain, started.http_url, admin_key, args.ready_timeout).start()
 
     def forward(signum: int, frame: FrameType | None) -> None:
-        starting = server is None or (args.openai_port and openai is None)
+        starting = server is None or bool(restarting) or (args.openai_port and openai is None)
         if starting or stop_signal:  # a second signal: no more draining
             if server is not None and server.process.poll() is None:
                 server.process.send_signal(signum)
@@ -182,20 +233,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGINT, forward)
     signal.signal(signal.SIGTERM, forward)
     try:
-        server = start_server(
-            args.model_repository,
-            http_port=args.http_port,
-            grpc_port=args.grpc_port,
-            metrics_port=args.metrics_port,
-            log_file=log_path,
-            extra_args=extra,
-            extra_env=extra_env,
-            ready_timeout_s=args.ready_timeout,
-            admin_key=admin_key,
-            address=args.address,
-        )
-        if admin_key is not None and server.drain is not None:
-            supervisor = Supervisor(server.drain, server.http_url, admin_key, args.ready_timeout).start()
+        server, supervisor = serve()
         if args.openai_port:
             endpoint_env = {**os.environ, **extra_env, **({ADMIN_KEY_ENV: admin_key} if admin_key else {})}
             openai = start_frontend(server.grpc_url, args.openai_port, env=endpoint_env)
@@ -205,7 +243,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"metrics {server.metrics_url}{endpoint}\nlog: {log_path}   stop with Ctrl-C\n",
             flush=True,
         )
-        while not stop_requested.wait(0.5) and server.process.poll() is None:
+        crashes: list[float] = []
+        while not stop_requested.wait(0.5):
+            if server.process.poll() is not None:
+                if not restart_after_crash(server.process.returncode, crashes):
+                    break
+                restarting.append(True)
+                if supervisor is not None:
+                    supervisor.stop()
+                server.stop()  # its stubs gone, its drain folder removed
+                server, supervisor = serve()
+                restarting.clear()
+                print(f"tritonserver ready again: HTTP {server.http_url}  gRPC {server.grpc_url}", flush=True)
+                continue
             if openai is not None and openai.process.poll() is not None:
                 print(
                     f"error: the OpenAI endpoint exited with code {openai.process.returncode}; stopping",

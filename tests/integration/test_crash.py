@@ -1,7 +1,8 @@
 """A launcher that dies, however it dies, leaves nothing behind; a model whose backend stub dies ends
-its streams and comes back; its stop fits STOP_TIMEOUT_S even when a client holds its stream open;
-it notices its endpoint dying; two launchers racing for one port never both claim it. Real
-processes: `python -m launcher`, tritonserver, its backend stubs and the OpenAI endpoint."""
+its streams and comes back; a tritonserver that aborts is started again; its stop fits
+STOP_TIMEOUT_S even when a client holds its stream open; it notices its endpoint dying; two
+launchers racing for one port never both claim it. Real processes: `python -m launcher`,
+tritonserver, its backend stubs and the OpenAI endpoint."""
 
 from __future__ import annotations
 
@@ -324,6 +325,60 @@ def test_a_model_whose_stub_is_sigkilled_under_load_ends_its_streams_and_comes_b
     finally:
         if stream is not None:
             stream.close(cancel_requests=True)
+
+
+def test_a_tritonserver_that_aborts_is_started_again_and_the_endpoint_serves_through_it(shipped, tmp_path):
+    """An abort in native code (SIGABRT, as an upstream lock error raises) ends tritonserver and its
+    stubs; the launcher starts it again on the same ports, the models warm from their snapshots,
+    and the OpenAI endpoint, which stayed up, answers through the new server."""
+    launcher = Launcher(shipped, tmp_path)
+    try:
+        assert launcher.wait_ready(), launcher.text()[-3000:]
+        processes = launcher.processes
+        [server] = [
+            pid for pid in processes if Path(f"/proc/{pid}/comm").read_text().strip() == "tritonserver"
+        ]
+        [endpoint] = [pid for pid in processes if b"frontend" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+        stubs = stubs_of(processes, "lookahead") + stubs_of(processes, "baseline")
+        regions = [shm_region(pid) for pid in stubs]
+        client = openai.OpenAI(
+            base_url=f"http://127.0.0.1:{launcher.ports['openai']}/v1",
+            api_key="none",
+            max_retries=0,
+            timeout=300,
+        )
+        prompt = [{"role": "user", "content": "Name three colours."}]
+        before = client.chat.completions.create(model="lookahead", messages=prompt, max_tokens=12)
+        time.sleep(2)  # the trie's snapshot (every second)
+
+        os.kill(server, signal.SIGABRT)
+        assert wait_for(
+            lambda: "tritonserver ready again" in launcher.text() or launcher.process.poll(), BACK_S
+        )
+        assert launcher.process.poll() is None, launcher.text()[-3000:]
+        assert "error: tritonserver ended by SIGABRT; starting it again" in launcher.text()
+        assert not alive(server) and not any(alive(pid) for pid in stubs) and alive(endpoint)
+        assert not [region for region in regions if (Path("/dev/shm") / region).exists()]
+        loads = re.findall(r"Trie for lookahead_0_0: \S+ \((\d+) nodes\)", launcher.text())
+        assert len(loads) == 2 and int(loads[1]) > 0, loads  # warm from its snapshot
+
+        statuses = []  # the endpoint's gRPC channel reconnects to the new server
+        while not statuses or statuses[-1] != 200:
+            try:
+                after = client.chat.completions.create(model="lookahead", messages=prompt, max_tokens=12)
+                statuses.append(200)
+            except openai.APIStatusError as error:
+                statuses.append(error.status_code)
+                assert len(statuses) < 20, statuses
+                time.sleep(0.5)
+        assert after.choices[0].message.content == before.choices[0].message.content, statuses
+
+        launcher.process.send_signal(signal.SIGTERM)
+        assert launcher.process.wait(timeout=STOP_TIMEOUT_S + 10) == 0, launcher.text()[-3000:]
+        assert not any(alive(pid) for pid in descendants(launcher.process.pid) | processes)
+    except BaseException:
+        launcher.kill_everything()
+        raise
 
 
 def test_a_sigkilled_launcher_takes_tritonserver_its_stubs_and_the_endpoint_with_it(baseline, tmp_path):

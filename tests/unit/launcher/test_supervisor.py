@@ -135,3 +135,21 @@ def test_only_triton_regions_are_removed(tmp_path):
     remove_region("/someone-elses", tmp_path)
     remove_region("/triton_python_backend_shm_region_x", tmp_path)
     assert other.exists() and not region.exists()
+
+
+def test_a_tritonserver_ended_by_a_signal_is_started_again_a_bounded_number_of_times_an_hour(capsys):
+    from launcher.cli import CRASH_RESTARTS, CRASH_WINDOW_S, restart_after_crash
+
+    crashes: list[float] = []
+    assert not restart_after_crash(0, crashes, now=10.0)  # it stopped as asked
+    assert not restart_after_crash(2, crashes, now=10.0)  # it refused to start: a bad argument, a port
+    assert crashes == []
+    assert [restart_after_crash(-6, crashes, now=100.0 + t) for t in range(CRASH_RESTARTS + 1)] == [
+        *[True] * CRASH_RESTARTS,
+        False,
+    ]
+    err = capsys.readouterr().err
+    assert err.count("tritonserver ended by SIGABRT; starting it again") == CRASH_RESTARTS
+    assert f"{CRASH_RESTARTS + 1} crashes within {CRASH_WINDOW_S:g} s; stopping" in err
+    assert restart_after_crash(-9, crashes, now=100.0 + CRASH_WINDOW_S)  # the first crash has aged out
+    assert "ended by SIGKILL" in capsys.readouterr().err
