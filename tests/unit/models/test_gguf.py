@@ -188,6 +188,31 @@ def test_a_compact_model_holds_no_fp32_copy_of_its_quantised_weights(tmp_path: P
     assert "lean layers" in loaded.execution
 
 
+def test_an_embedding_keeps_the_rows_it_dequantised_within_its_bound_with_the_same_bits(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = write_gguf(tmp_path / "tiny.gguf", "qwen2", Q.Q4_K, embedding_type=Q.Q6_K)
+    embedding = load_model(str(path), linear_kernel="packed").model.get_input_embeddings()
+    assert isinstance(embedding, QuantizedEmbedding)
+    table = torch.from_numpy(dequantize(embedding.rows.numpy(), embedding.qtype))
+    calls = []
+    monkeypatch.setattr(
+        "lookahead.models.quantized_embedding.dequantize",
+        lambda rows, qtype: calls.append(len(rows)) or dequantize(rows, qtype),
+    )
+    embedding._capacity = 4
+    ids = torch.tensor([[3, 9, 3, 200]])
+    assert torch.equal(embedding(ids), table[ids])
+    assert torch.equal(embedding(ids[:, :2]), table[ids[:, :2]])  # found: no call
+    assert calls == [3]
+    assert torch.equal(embedding(torch.tensor([7, 8, 3])), table[[7, 8, 3]])
+    assert calls == [3, 2] and list(embedding._dequantized) == [9, 200, 7, 8]  # the oldest, 3, dropped
+    assert torch.equal(embedding(torch.arange(10)[None]), table[None, :10])  # more than it keeps
+    assert len(embedding._dequantized) == 4
+    assert all(row.base is None for row in embedding._dequantized.values())  # copies, not views
+    assert embedding(torch.zeros(1, 0, dtype=torch.long)).shape == (1, 0, table.shape[1])
+
+
 def test_mixed_block_types_share_one_packed_matrix(tmp_path: Path) -> None:
     """As in a Q4_K_M file: v and down in Q6_K (groups of 16, int8), q, k, gate, up in Q4_K."""
     overrides = {f"blk.{i}.{name}.weight": Q.Q6_K for i in range(2) for name in ("attn_v", "ffn_down")}
