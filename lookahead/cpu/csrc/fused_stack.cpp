@@ -103,10 +103,20 @@ std::vector<Visibility> visible_entries(const std::vector<RowPlan>& rows) {
   return visible;
 }
 
+// A query's softmax runs span by span over its list of entries ([0, 256), [256, 512), ... by
+// place in the list) and merges the spans in order. A span's scores and values stay in cache while
+// every query of its unit reads them, and where spans fall depends on the query's list alone.
+constexpr int64_t kSpan = 256;
+constexpr int64_t kScoreStride = kSpan + kLanes;
+
 // Rows of one slot and query heads of one key/value head that attend together: the unit reads
-// its entries' keys and values once for all of its queries (a row and a head each).
+// its entries' keys and values once for all of its queries (a row and a head each), over the
+// spans [first_span, end_span) of their lists. A split unit is one of several that share out its
+// queries' spans: it leaves each span's part of the softmax for SpanParts to merge.
 struct AttentionUnit {
   int64_t first_row, rows, first_head, heads;
+  int64_t first_span = 0, end_span = std::numeric_limits<int64_t>::max();
+  bool split = false;
 };
 constexpr int64_t kQueriesPerUnit = 128;
 
@@ -145,17 +155,101 @@ std::vector<AttentionUnit> attention_units(const std::vector<RowPlan>& rows, con
   for (int64_t head = 0; head < heads; head += heads_per_unit)
     for (const auto& [first, count] : chunks)
       units.push_back({first, count, head, std::min(heads_per_unit, (head / group + 1) * group - head)});
-  return units;
+  if (!long_history || static_cast<int64_t>(units.size()) % threads == 0 ||
+      static_cast<int64_t>(units.size()) >= 4 * threads)
+    return units;
+  // Too few units to share out evenly over a long history (3 key/value heads on 2 threads): each
+  // unit's spans of shared history go to `threads` units, the last taking the rest of its lists.
+  std::vector<AttentionUnit> split;
+  for (const AttentionUnit& unit : units) {
+    int64_t shared = std::numeric_limits<int64_t>::max();
+    for (int64_t r = unit.first_row; r < unit.first_row + unit.rows; ++r) shared = std::min(shared, visible[r].prefix);
+    const int64_t spans = shared / kSpan;
+    if (spans < threads) {
+      split.push_back(unit);
+      continue;
+    }
+    for (int64_t part = 0; part < threads; ++part) {
+      AttentionUnit piece = unit;
+      piece.first_span = spans * part / threads;
+      piece.end_span = part + 1 < threads ? spans * (part + 1) / threads : std::numeric_limits<int64_t>::max();
+      piece.split = true;
+      split.push_back(piece);
+    }
+  }
+  return split;
 }
+
+// The parts of the softmax that split units leave, span by span, for each (row, head) query:
+// after the attention's barrier each thread merges its rows' parts in span order with the same
+// operations a unit uses when it holds every span, so the bits do not depend on the split.
+struct SpanParts {
+  int64_t heads = 0, dim = 0, spans = 0;
+  std::vector<char> split;  // [row * heads + head]
+  std::vector<float> largest, total, weighted;  // [query][span], weighted: [query][span][dim]
+
+  SpanParts(const std::vector<AttentionUnit>& units, const std::vector<Visibility>& visible, int64_t heads,
+            int64_t dim)
+      : heads(heads), dim(dim) {
+    for (const AttentionUnit& unit : units) {
+      if (!unit.split) continue;
+      if (split.empty()) {
+        size_t longest = 0;
+        for (const auto& seen : visible) longest = std::max(longest, seen.entries.size());
+        spans = (static_cast<int64_t>(longest) + kSpan - 1) / kSpan;
+        const size_t queries = visible.size() * heads;
+        split.assign(queries, 0);
+        largest.resize(queries * spans);
+        total.resize(queries * spans);
+        weighted.resize(queries * spans * dim);
+      }
+      for (int64_t r = unit.first_row; r < unit.first_row + unit.rows; ++r)
+        for (int64_t h = unit.first_head; h < unit.first_head + unit.heads; ++h) split[r * heads + h] = 1;
+    }
+  }
+
+  int64_t at(int64_t row, int64_t head, int64_t span) const { return (row * heads + head) * spans + span; }
+
+  // Row r's split queries: their spans merged in order into `out` (r's heads side by side), divided.
+  void merge(int64_t r, int64_t entries, float* out) const {
+    if (split.empty()) return;
+    const int64_t count = (entries + kSpan - 1) / kSpan, chunks = dim / kLanes;
+    for (int64_t h = 0; h < heads; ++h) {
+      if (!split[r * heads + h]) continue;
+      float* result = out + h * dim;
+      const int64_t first = at(r, h, 0);
+      float best = largest[first], sum = total[first];
+      std::copy(weighted.begin() + first * dim, weighted.begin() + (first + 1) * dim, result);
+      for (int64_t s = 1; s < count; ++s) {
+        const int64_t i = first + s;
+        const float merged = std::max(best, largest[i]);
+        const float kept = std::exp(best - merged), taken = std::exp(largest[i] - merged);
+        sum = sum * kept + total[i] * taken;
+        best = merged;
+        for (int64_t c = 0; c < chunks; ++c)
+          F32x16::fmadd(F32x16::load(weighted.data() + i * dim + c * kLanes), F32x16::broadcast(taken),
+                        F32x16::mul(F32x16::load(result + c * kLanes), F32x16::broadcast(kept)))
+              .store(result + c * kLanes);
+      }
+      const F32x16 divisor = F32x16::broadcast(sum);
+      for (int64_t c = 0; c < chunks; ++c)
+        F32x16::div(F32x16::load(result + c * kLanes), divisor).store(result + c * kLanes);
+    }
+  }
+};
 
 // The running sums of the units' costs (weighted_share's `prefix`): each query of a unit costs its
 // row's visible entries, plus a fixed part for its softmax and output.
 std::vector<double> attention_costs(const std::vector<AttentionUnit>& units, const std::vector<Visibility>& visible) {
   std::vector<double> prefix(units.size() + 1, 0.0);
   for (size_t u = 0; u < units.size(); ++u) {
+    const AttentionUnit& unit = units[u];
     double entries = 0.0;
-    for (int64_t r = units[u].first_row; r < units[u].first_row + units[u].rows; ++r)
-      entries += static_cast<double>(visible[r].entries.size()) + 2 * kLanes;
+    for (int64_t r = unit.first_row; r < unit.first_row + unit.rows; ++r) {
+      const int64_t count = static_cast<int64_t>(visible[r].entries.size());
+      const int64_t end = unit.end_span > count / kSpan ? count : unit.end_span * kSpan;
+      entries += static_cast<double>(std::max<int64_t>(0, end - unit.first_span * kSpan)) + 2 * kLanes;
+    }
     prefix[u + 1] = prefix[u] + entries * static_cast<double>(units[u].heads);
   }
   return prefix;
@@ -184,22 +278,17 @@ F32x16 dots16(const float* query, const float* const* keys, int64_t n, int64_t c
   return reduce_add16(partials);
 }
 
-// A query's softmax runs span by span over its list of entries ([0, 256), [256, 512), ... by
-// place in the list) and merges the spans in order. A span's scores and values stay in cache while
-// every query of its unit reads them, and where spans fall depends on the query's list alone.
-constexpr int64_t kSpan = 256;
-constexpr int64_t kScoreStride = kSpan + kLanes;
-
 // A unit's queries over the entries each sees: softmax(q . k * scaling) . v. The entries every row
 // of the unit sees first (the shared history) are read once for all of its queries; each query
 // still visits its own entries in list order with the same operations as alone, so its result
 // does not depend on which queries share the unit. Entry i of a row's list always takes the same
 // lane of its span's sum (i mod 16), so the same token at the same place in its history gets the
-// same bits in a tree and in plain decoding. `scores`: kQueriesPerUnit * kScoreStride floats.
+// same bits in a tree and in plain decoding. `scores`: kQueriesPerUnit * kScoreStride floats. A
+// split unit writes its spans' parts to `parts` instead.
 template <int C>
 void attend(const AttentionUnit& unit, const float* qkv, int64_t qkv_width, const float* keys, const float* values,
             const std::vector<Visibility>& visible, int64_t dim, float scaling, float* scores, float* out,
-            int64_t out_stride) {
+            int64_t out_stride, SpanParts& parts) {
   const int64_t chunks = C > 0 ? C : dim / kLanes;
   const int64_t Q = unit.rows * unit.heads;
   const Visibility* seen[kQueriesPerUnit];
@@ -219,7 +308,11 @@ void attend(const AttentionUnit& unit, const float* qkv, int64_t qkv_width, cons
   // Each query's running softmax: its largest score so far, the sum of e^(score - largest), and
   // the factors that carry the weighted values so far (kept) and the span's (taken) over to it.
   float largest[kQueriesPerUnit], total[kQueriesPerUnit], kept[kQueriesPerUnit], taken[kQueriesPerUnit];
-  for (int64_t e0 = 0; e0 < longest; e0 += kSpan) {
+  int64_t part[kQueriesPerUnit];  // a split unit's query: where its spans' parts go
+  for (int64_t i = 0; i < Q; ++i)
+    part[i] = unit.split ? parts.at(unit.first_row + i / unit.heads, unit.first_head + i % unit.heads, 0) : 0;
+  const int64_t last = unit.end_span > longest / kSpan ? longest : unit.end_span * kSpan;
+  for (int64_t e0 = unit.first_span * kSpan; e0 < last; e0 += kSpan) {
     const int64_t e1 = e0 + kSpan, common = std::clamp(shared, e0, e1);  // [e0, common): entry j is j for all
     for (int64_t j = e0; j < common; j += kLanes) {
       const int64_t n = std::min(kLanes, common - j);
@@ -248,6 +341,11 @@ void attend(const AttentionUnit& unit, const float* qkv, int64_t qkv_width, cons
       F32x16 sum = F32x16::zero();
       for (int64_t e = 0; e < padded; e += kLanes) sum = F32x16::add(sum, F32x16::load(row + e));
       const float span_total = reduce_add(sum);
+      if (unit.split) {
+        parts.largest[part[i] + e0 / kSpan] = span_largest;
+        parts.total[part[i] + e0 / kSpan] = span_total;
+        continue;
+      }
       if (e0 == 0) {
         largest[i] = span_largest;
         total[i] = span_total;
@@ -306,6 +404,10 @@ void attend(const AttentionUnit& unit, const float* qkv, int64_t qkv_width, cons
           for (int64_t e = common; e < end; ++e)
             a = F32x16::fmadd(F32x16::broadcast(weight[e]), F32x16::load(values + entries[e] * dim + (d0 + c) * kLanes),
                               a);
+          if (unit.split) {
+            a.store(parts.weighted.data() + (part[i] + e0 / kSpan) * dim + (d0 + c) * kLanes);
+            continue;
+          }
           float* running = result[i] + (d0 + c) * kLanes;
           if (e0 > 0)
             a = F32x16::fmadd(a, F32x16::broadcast(taken[i]),
@@ -315,7 +417,7 @@ void attend(const AttentionUnit& unit, const float* qkv, int64_t qkv_width, cons
       }
     }
   }
-  for (int64_t i = 0; i < Q; ++i) {
+  for (int64_t i = 0; i < Q && !unit.split; ++i) {
     const F32x16 divisor = F32x16::broadcast(total[i]);
     for (int64_t c = 0; c < chunks; ++c)
       F32x16::div(F32x16::load(result[i] + c * kLanes), divisor).store(result[i] + c * kLanes);
@@ -325,14 +427,14 @@ void attend(const AttentionUnit& unit, const float* qkv, int64_t qkv_width, cons
 // attend<C> for the head sizes met in practice (64, 128), with the loops along the head unrolled.
 void attend_any(const AttentionUnit& unit, const float* qkv, int64_t qkv_width, const float* keys,
                 const float* values, const std::vector<Visibility>& visible, int64_t dim, float scaling,
-                float* scores, float* out, int64_t out_stride) {
+                float* scores, float* out, int64_t out_stride, SpanParts& parts) {
   switch (dim / kLanes) {
     case 4:
-      return attend<4>(unit, qkv, qkv_width, keys, values, visible, dim, scaling, scores, out, out_stride);
+      return attend<4>(unit, qkv, qkv_width, keys, values, visible, dim, scaling, scores, out, out_stride, parts);
     case 8:
-      return attend<8>(unit, qkv, qkv_width, keys, values, visible, dim, scaling, scores, out, out_stride);
+      return attend<8>(unit, qkv, qkv_width, keys, values, visible, dim, scaling, scores, out, out_stride, parts);
     default:
-      return attend<0>(unit, qkv, qkv_width, keys, values, visible, dim, scaling, scores, out, out_stride);
+      return attend<0>(unit, qkv, qkv_width, keys, values, visible, dim, scaling, scores, out, out_stride, parts);
   }
 }
 
@@ -456,6 +558,7 @@ torch::Tensor FusedStack::forward(const torch::Tensor& hidden, const torch::Tens
   const std::vector<Visibility> visible = visible_entries(rows);
   const std::vector<AttentionUnit> units = attention_units(rows, visible, heads, kv_heads, D, threads);
   const std::vector<double> unit_costs = attention_costs(units, visible);
+  SpanParts parts(units, visible, heads, D);
 
 #pragma omp parallel num_threads(threads)
   {
@@ -510,9 +613,11 @@ torch::Tensor FusedStack::forward(const torch::Tensor& hidden, const torch::Tens
         const int64_t g = unit.first_head / (heads / kv_heads);
         const int64_t slot_start = (rows[unit.first_row].slot * kv_heads + g) * capacity * D;
         attend_any(unit, qkv.data(), qkv_width, key_pool + slot_start, value_pool + slot_start, visible, D,
-               static_cast<float>(layer.scaling), scores.data(), attended.data(), heads * D);
+               static_cast<float>(layer.scaling), scores.data(), attended.data(), heads * D, parts);
       }
       done(kAttention);
+      for (int64_t r = row_begin; r < row_end; ++r)
+        parts.merge(r, static_cast<int64_t>(visible[r].entries.size()), attended.data() + r * heads * D);
       quantise_rows(o_in, attended.data(), row_begin, row_end);
       done(kQuantise);
       multiply(o_in, attended.data(), M, projected.data(), thread, team);

@@ -251,12 +251,13 @@ def test_the_default_model_on_the_integer_kernel_runs_fused_layers_on_int8_activ
 
 
 @pytest.mark.skipif(not runnable_variants(), reason="no variant of the fast CPU path runs on this CPU")
-@pytest.mark.parametrize("history", [40, 250, 520])
+@pytest.mark.parametrize("history", [40, 250, 520, 1100])
 def test_every_node_of_a_wide_tree_gets_plain_decodings_bits_on_the_fused_stack(history: int) -> None:
     """Attention units share keys across rows and heads; each node must still see exactly what
     plain decoding of its branch sees, bit for bit. A 40-token history: full and partial blocks of
     16 keys; 20 nodes: units of several rows, own entries past the shared history. 250 and 520:
-    softmax spans of 256 entries that end inside the tree and inside the shared history."""
+    softmax spans of 256 entries that end inside the tree and inside the shared history. 1100: a
+    history long enough that plain decoding's three units are split by spans over two threads."""
     from lookahead.models.loading import load_model
     from lookahead.runtime.runner import ModelRunner
 
@@ -281,17 +282,19 @@ def test_every_node_of_a_wide_tree_gets_plain_decodings_bits_on_the_fused_stack(
 
 
 @pytest.mark.skipif(not runnable_variants(), reason="no variant of the fast CPU path runs on this CPU")
-def test_the_fused_stack_gives_the_same_bits_whatever_the_teams_size() -> None:
+@pytest.mark.parametrize("history_length", [300, 1100])
+def test_the_fused_stack_gives_the_same_bits_whatever_the_teams_size(history_length: int) -> None:
     """Threads share out matrix columns and attention units (weighted by the entries each reads),
     never a sum: a step of a long causal prompt chunk beside a tree over another slot's history,
-    both past a softmax span's 256 entries, comes out bit for bit the same on 1, 2 and 3 threads."""
+    both past a softmax span's 256 entries, comes out bit for bit the same on 1, 2 and 3 threads; so
+    does one token after the history, whose units two threads split by spans past 1,024 entries."""
     from lookahead.models.loading import load_model
     from lookahead.runtime.runner import ModelRunner
 
     loaded = load_model(linear_kernel="integer")
     assert type(loaded.model.model.stack).__name__ == "FusedStack"
     runner = ModelRunner(loaded.model, prefix_cache_tokens=0, kv_cache_bytes=0)
-    history = [(31 * i + 5) % 5000 + 100 for i in range(300)]
+    history = [(31 * i + 5) % 5000 + 100 for i in range(history_length)]
     chunk = [(17 * i + 3) % 5000 + 100 for i in range(270)]
     parents = [-1, 0, 0, 1, 2, 2, 4]
     tree = [(53 * i + 7) % 4000 + 300 for i in range(len(parents))]
@@ -307,7 +310,8 @@ def test_the_fused_stack_gives_the_same_bits_whatever_the_teams_size() -> None:
                     [0, len(history)],
                     [first, second],
                 )
-                results.append([rows.clone() for rows in out])
+                (plain,) = runner.forward_drafts([Draft.root_only(4321)], [len(history)], [second])
+                results.append([rows.clone() for rows in out] + [plain.clone()])
     finally:
         torch.set_num_threads(threads)
     for other in results[1:]:
