@@ -246,7 +246,8 @@ def breakdown(decoder: LookaheadDecoder, cached: int, repeats: int, steps: int) 
     generation = plain.start(
         list(range(1000, 1000 + cached)), SamplingParams(max_tokens=steps + 1, ignore_eos=True)
     )
-    generation.step()  # the prefill
+    while not generation.prefilled:  # the prompt, in as many chunks as it takes
+        generation.step()
     timed.seconds, timed.calls = 0.0, 0
     started = time.perf_counter()
     while not generation.finished:
