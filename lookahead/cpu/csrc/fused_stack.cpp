@@ -103,10 +103,10 @@ std::vector<Visibility> visible_entries(const std::vector<RowPlan>& rows) {
   return visible;
 }
 
-// A query's softmax runs span by span over its list of entries ([0, 256), [256, 512), ... by
+// A query's softmax runs span by span over its list of entries ([0, 1024), [1024, 2048), ... by
 // place in the list) and merges the spans in order. A span's scores and values stay in cache while
 // every query of its unit reads them, and where spans fall depends on the query's list alone.
-constexpr int64_t kSpan = 256;
+constexpr int64_t kSpan = 1024;
 constexpr int64_t kScoreStride = kSpan + kLanes;
 
 // Rows of one slot and query heads of one key/value head that attend together: the unit reads
@@ -283,7 +283,7 @@ F32x16 dots16(const float* query, const float* const* keys, int64_t n, int64_t c
 // still visits its own entries in list order with the same operations as alone, so its result
 // does not depend on which queries share the unit. Entry i of a row's list always takes the same
 // lane of its span's sum (i mod 16), so the same token at the same place in its history gets the
-// same bits in a tree and in plain decoding. `scores`: kQueriesPerUnit * kScoreStride floats. A
+// same bits in a tree and in plain decoding. `scores`: kScoreStride floats per query. A
 // split unit writes its spans' parts to `parts` instead.
 template <int C>
 void attend(const AttentionUnit& unit, const float* qkv, int64_t qkv_width, const float* keys, const float* values,
@@ -559,13 +559,15 @@ torch::Tensor FusedStack::forward(const torch::Tensor& hidden, const torch::Tens
   const std::vector<AttentionUnit> units = attention_units(rows, visible, heads, kv_heads, D, threads);
   const std::vector<double> unit_costs = attention_costs(units, visible);
   SpanParts parts(units, visible, heads, D);
+  int64_t most_queries = 0;
+  for (const AttentionUnit& unit : units) most_queries = std::max(most_queries, unit.rows * unit.heads);
 
 #pragma omp parallel num_threads(threads)
   {
     const int thread = omp_get_thread_num(), team = omp_get_num_threads();
     const auto [row_begin, row_end] = thread_share(M, thread, team);
     const auto [unit_begin, unit_end] = weighted_share(unit_costs, thread, team);
-    std::vector<float> scores(kQueriesPerUnit * kScoreStride);
+    std::vector<float> scores(most_queries * kScoreStride);
     // Thread 0's time in each step, and at the barriers (waiting for the others).
     const bool timing = profiling && thread == 0;
     auto last = Clock::now();

@@ -211,19 +211,19 @@ def long_history_probe(lean: LeanLlamaModel, stack: Any, history: int) -> torch.
 def test_a_long_history_attends_across_softmax_spans_as_the_lean_stack_does(
     architecture: str, extension: Any
 ) -> None:
-    """The fused stack's softmax runs over spans of 256 entries and merges them; over a 600-entry
+    """The fused stack's softmax runs over spans of 1,024 entries and merges them; over a 1,100-entry
     history a causal chunk and a tree after it land where the lean stack's single softmax does
     (exact matrices, so that only the attention's rounding differs)."""
-    model = build_tiny_model(architecture, max_position_embeddings=1024)
+    model = build_tiny_model(architecture, max_position_embeddings=2048)
     pack_linear_layers(model, extension)
     assert use_lean_layers(model, extension, fused=True)
     lean = model.model
     assert type(lean.stack).__name__ == "FusedStack"
-    exact = long_history_probe(lean, extension.LeanStack([layer.lean for layer in lean.layers]), 600)
-    fused = long_history_probe(lean, lean.stack, 600)
-    assert exact.shape == fused.shape == (603, lean.config.hidden_size)
+    exact = long_history_probe(lean, extension.LeanStack([layer.lean for layer in lean.layers]), 1100)
+    fused = long_history_probe(lean, lean.stack, 1100)
+    assert exact.shape == fused.shape == (1103, lean.config.hidden_size)
     distance = (fused - exact).norm(dim=-1) / exact.norm(dim=-1)
-    assert float(distance[256:].max()) < 1e-6  # the rows that merge two or three spans
+    assert float(distance[1024:].max()) < 1e-6  # the rows that merge two spans
 
 
 def test_a_fused_stack_that_computes_something_else_is_refused(
@@ -251,13 +251,13 @@ def test_the_default_model_on_the_integer_kernel_runs_fused_layers_on_int8_activ
 
 
 @pytest.mark.skipif(not runnable_variants(), reason="no variant of the fast CPU path runs on this CPU")
-@pytest.mark.parametrize("history", [40, 250, 520, 1100])
+@pytest.mark.parametrize("history", [40, 1020, 2100])
 def test_every_node_of_a_wide_tree_gets_plain_decodings_bits_on_the_fused_stack(history: int) -> None:
     """Attention units share keys across rows and heads; each node must still see exactly what
     plain decoding of its branch sees, bit for bit. A 40-token history: full and partial blocks of
-    16 keys; 20 nodes: units of several rows, own entries past the shared history. 250 and 520:
-    softmax spans of 256 entries that end inside the tree and inside the shared history. 1100: a
-    history long enough that plain decoding's three units are split by spans over two threads."""
+    16 keys; 20 nodes: units of several rows, own entries past the shared history. 1020: a softmax
+    span of 1,024 entries that ends inside the tree. 2100: one that ends inside the shared history,
+    which is long enough that plain decoding's three units are split by spans over two threads."""
     from lookahead.models.loading import load_model
     from lookahead.runtime.runner import ModelRunner
 
@@ -282,12 +282,12 @@ def test_every_node_of_a_wide_tree_gets_plain_decodings_bits_on_the_fused_stack(
 
 
 @pytest.mark.skipif(not runnable_variants(), reason="no variant of the fast CPU path runs on this CPU")
-@pytest.mark.parametrize("history_length", [300, 1100])
+@pytest.mark.parametrize("history_length", [300, 2100])
 def test_the_fused_stack_gives_the_same_bits_whatever_the_teams_size(history_length: int) -> None:
     """Threads share out matrix columns and attention units (weighted by the entries each reads),
     never a sum: a step of a long causal prompt chunk beside a tree over another slot's history,
-    both past a softmax span's 256 entries, comes out bit for bit the same on 1, 2 and 3 threads; so
-    does one token after the history, whose units two threads split by spans past 1,024 entries."""
+    comes out bit for bit the same on 1, 2 and 3 threads; so does one token after the history, whose
+    units two threads split by softmax spans of 1,024 entries past 2,048 entries."""
     from lookahead.models.loading import load_model
     from lookahead.runtime.runner import ModelRunner
 
