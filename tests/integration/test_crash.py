@@ -155,6 +155,12 @@ class Launcher:
         self.processes = descendants(self.process.pid)
         return self.process.poll() is None
 
+    def stop_cleanly(self) -> None:
+        """SIGTERM: it exits with 0 within its stop's bound, and nothing it started outlives it."""
+        self.process.send_signal(signal.SIGTERM)
+        assert self.process.wait(timeout=STOP_TIMEOUT_S + 10) == 0, self.text()[-3000:]
+        assert not any(alive(pid) for pid in descendants(self.process.pid) | self.processes)
+
     def kill_everything(self) -> None:
         """After a failed test: nothing of it may outlive the test (orphans included)."""
         for pid in descendants(self.process.pid) | self.processes | {self.process.pid}:
@@ -163,6 +169,13 @@ class Launcher:
             except ProcessLookupError:
                 pass
         self.process.wait()
+
+
+def endpoint_client(launcher: Launcher) -> openai.OpenAI:
+    """The `openai` SDK on the launcher's endpoint, without its retries (the tests count statuses)."""
+    return openai.OpenAI(
+        base_url=f"http://127.0.0.1:{launcher.ports['openai']}/v1", api_key="none", max_retries=0, timeout=300
+    )
 
 
 @pytest.fixture
@@ -231,12 +244,7 @@ def test_a_model_whose_stub_is_sigkilled_under_load_ends_its_streams_and_comes_b
         assert http(f"{triton}/v2/repository/models/lookahead/unload", b"{}")[0] != 200
         bad_key = {ADMIN_KEY_HEADER: "guess"}
         assert http(f"{triton}/v2/repository/models/lookahead/unload", b"{}", bad_key)[0] != 200
-        client = openai.OpenAI(
-            base_url=f"http://127.0.0.1:{launcher.ports['openai']}/v1",
-            api_key="none",
-            max_retries=0,
-            timeout=300,
-        )
+        client = endpoint_client(launcher)
         prompt = [{"role": "user", "content": "Write a long story."}]
         taught = client.chat.completions.create(model="lookahead", messages=prompt, max_tokens=16)
         assert taught.choices[0].message.content
@@ -316,9 +324,7 @@ def test_a_model_whose_stub_is_sigkilled_under_load_ends_its_streams_and_comes_b
         assert not (Path("/dev/shm") / region).exists()
         assert len(stubs_of(descendants(launcher.process.pid), "lookahead")) == 1
 
-        launcher.process.send_signal(signal.SIGTERM)
-        assert launcher.process.wait(timeout=STOP_TIMEOUT_S + 10) == 0, launcher.text()[-3000:]
-        assert not any(alive(pid) for pid in descendants(launcher.process.pid) | processes)
+        launcher.stop_cleanly()
     except BaseException:
         launcher.kill_everything()
         raise
@@ -341,12 +347,7 @@ def test_a_tritonserver_that_aborts_is_started_again_and_the_endpoint_serves_thr
         [endpoint] = [pid for pid in processes if b"frontend" in Path(f"/proc/{pid}/cmdline").read_bytes()]
         stubs = stubs_of(processes, "lookahead") + stubs_of(processes, "baseline")
         regions = [shm_region(pid) for pid in stubs]
-        client = openai.OpenAI(
-            base_url=f"http://127.0.0.1:{launcher.ports['openai']}/v1",
-            api_key="none",
-            max_retries=0,
-            timeout=300,
-        )
+        client = endpoint_client(launcher)
         prompt = [{"role": "user", "content": "Name three colours."}]
         before = client.chat.completions.create(model="lookahead", messages=prompt, max_tokens=12)
         time.sleep(2)  # the trie's snapshot (every second)
@@ -373,9 +374,7 @@ def test_a_tritonserver_that_aborts_is_started_again_and_the_endpoint_serves_thr
                 time.sleep(0.5)
         assert after.choices[0].message.content == before.choices[0].message.content, statuses
 
-        launcher.process.send_signal(signal.SIGTERM)
-        assert launcher.process.wait(timeout=STOP_TIMEOUT_S + 10) == 0, launcher.text()[-3000:]
-        assert not any(alive(pid) for pid in descendants(launcher.process.pid) | processes)
+        launcher.stop_cleanly()
     except BaseException:
         launcher.kill_everything()
         raise
