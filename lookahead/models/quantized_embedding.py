@@ -45,8 +45,8 @@ class QuantizedEmbedding(nn.Module):
             fresh = dequantize(self.rows.numpy()[missing], self.qtype)
             for token, row in zip(missing, fresh):
                 rows[token] = self._dequantized[token] = row.copy()  # not a view holding `fresh`
-            for oldest in list(self._dequantized)[: max(0, len(self._dequantized) - self._capacity)]:
-                del self._dequantized[oldest]
+            while len(self._dequantized) > self._capacity:  # first in, first out
+                del self._dequantized[next(iter(self._dequantized))]
         table = (
             np.stack([rows[token] for token in ids]) if ids else np.empty((0, self.embedding_dim), np.float32)
         )
