@@ -17,6 +17,8 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -170,6 +172,23 @@ class Launcher:
                 pass
         self.process.wait()
 
+    def __enter__(self) -> Launcher:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, *_: object) -> None:
+        if kind is not None:  # a failed test: nothing of it may outlive it
+            self.kill_everything()
+
+
+@contextmanager
+def grpc_stream(launcher: Launcher) -> Iterator[GrpcStream]:
+    """A gRPC stream to the launcher's tritonserver, closed (its requests cancelled) at the end."""
+    stream = GrpcStream(SimpleNamespace(grpc_url=f"localhost:{launcher.ports['grpc']}"))
+    try:
+        yield stream
+    finally:
+        stream.close(cancel_requests=True)
+
 
 def endpoint_client(launcher: Launcher) -> openai.OpenAI:
     """The `openai` SDK on the launcher's endpoint, without its retries (the tests count statuses)."""
@@ -223,45 +242,35 @@ def shipped(tmp_path: Path) -> Path:
 
 
 def test_a_sigkilled_launcher_leaves_nothing_within_5_s_while_a_stub_with_a_trie_decodes(shipped, tmp_path):
-    launcher = Launcher(shipped, tmp_path)
-    stream = None
-    try:
+    with Launcher(shipped, tmp_path) as launcher:
         assert launcher.wait_ready(), launcher.text()[-3000:]
         processes = launcher.processes
         stubs = stubs_of(processes, "lookahead") + stubs_of(processes, "baseline")
         assert len(stubs) == 2, processes
         regions = [shm_region(pid) for pid in stubs]
-        stream = GrpcStream(SimpleNamespace(grpc_url=f"localhost:{launcher.ports['grpc']}"))
-        stream.send("lookahead", grpc_inputs("Hi", sampling_parameters={"max_tokens": 8}), "short")
-        stream.collect()  # the trie learned it, and the snapshot is saved within a second
-        options = {"max_tokens": 4096, "ignore_eos": True}
-        stream.send("lookahead", grpc_inputs("Write a long story.", sampling_parameters=options), "long")
-        assert stream.responses.get(timeout=120)[1] is None  # decoding
-        drains = {drain_folder(pid) for pid in processes} - {None}
-        killed = time.monotonic()
-        launcher.process.kill()  # as the OOM killer does: no handler runs
-        launcher.process.wait()
-        wait_for(lambda: not any(alive(pid) for pid in processes), 30)
-        took = time.monotonic() - killed
-        print(f"every process gone {took:.1f} s after the SIGKILL")
-        assert not [pid for pid in processes if alive(pid)]
-        assert took < GONE_S
-        assert all(port_free(port) for port in launcher.ports.values())
-        assert not any(folder.exists() for folder in drains)
-        assert not [region for region in regions if (Path("/dev/shm") / region).exists()]
-    except BaseException:
-        launcher.kill_everything()
-        raise
-    finally:
-        if stream is not None:
-            stream.close(cancel_requests=True)
+        with grpc_stream(launcher) as stream:
+            stream.send("lookahead", grpc_inputs("Hi", sampling_parameters={"max_tokens": 8}), "short")
+            stream.collect()  # the trie learned it, and the snapshot is saved within a second
+            options = {"max_tokens": 4096, "ignore_eos": True}
+            stream.send("lookahead", grpc_inputs("Write a long story.", sampling_parameters=options), "long")
+            assert stream.responses.get(timeout=120)[1] is None  # decoding
+            drains = {drain_folder(pid) for pid in processes} - {None}
+            killed = time.monotonic()
+            launcher.process.kill()  # as the OOM killer does: no handler runs
+            launcher.process.wait()
+            wait_for(lambda: not any(alive(pid) for pid in processes), 30)
+            took = time.monotonic() - killed
+            print(f"every process gone {took:.1f} s after the SIGKILL")
+            assert not [pid for pid in processes if alive(pid)]
+            assert took < GONE_S
+            assert all(port_free(port) for port in launcher.ports.values())
+            assert not any(folder.exists() for folder in drains)
+            assert not [region for region in regions if (Path("/dev/shm") / region).exists()]
 
 
 def test_a_model_whose_stub_is_sigkilled_under_load_ends_its_streams_and_comes_back_warm(shipped, tmp_path):
-    launcher = Launcher(shipped, tmp_path)
-    triton = f"http://127.0.0.1:{launcher.ports['http']}"
-    stream = None
-    try:
+    with Launcher(shipped, tmp_path) as launcher:
+        triton = f"http://127.0.0.1:{launcher.ports['http']}"
         assert launcher.wait_ready(), launcher.text()[-3000:]
         processes = launcher.processes
         [stub] = stubs_of(processes, "lookahead")
@@ -276,114 +285,109 @@ def test_a_model_whose_stub_is_sigkilled_under_load_ends_its_streams_and_comes_b
         assert taught.choices[0].message.content
         time.sleep(2)  # the trie's snapshot (every second)
         # In flight: a Triton gRPC stream and an OpenAI stream, both decoding.
-        stream = GrpcStream(SimpleNamespace(grpc_url=f"localhost:{launcher.ports['grpc']}"))
-        options = {"max_tokens": 4096, "ignore_eos": True}
-        stream.send("lookahead", grpc_inputs("Write a long story.", sampling_parameters=options), "long")
-        assert stream.responses.get(timeout=120)[1] is None
-        openai_events: queue.Queue = queue.Queue()
+        with grpc_stream(launcher) as stream:
+            options = {"max_tokens": 4096, "ignore_eos": True}
+            stream.send("lookahead", grpc_inputs("Write a long story.", sampling_parameters=options), "long")
+            assert stream.responses.get(timeout=120)[1] is None
+            openai_events: queue.Queue = queue.Queue()
 
-        def read_openai_stream() -> None:
-            try:
-                chunks = client.chat.completions.create(
-                    model="lookahead",
-                    messages=prompt,
-                    max_tokens=4096,
-                    stream=True,
-                    extra_body={"ignore_eos": True},
-                )
-                for _ in chunks:
-                    openai_events.put(("chunk", time.monotonic()))
-                openai_events.put(("end", time.monotonic()))
-            except openai.APIError as error:
-                openai_events.put((f"error: {error}", time.monotonic()))
-
-        threading.Thread(target=read_openai_stream, daemon=True).start()
-        assert openai_events.get(timeout=120)[0] == "chunk"
-
-        os.kill(stub, signal.SIGKILL)  # as the OOM killer does
-        killed = time.monotonic()
-        try:  # the model's own restart
-            # The OpenAI stream ends with an error event; the Triton stream with an error response.
-            while (event := openai_events.get(timeout=30))[0] == "chunk":
-                pass
-            print(f"the OpenAI stream ended {event[1] - killed:.1f} s after the SIGKILL: {event[0]}")
-            assert event[0].startswith("error:") and "restarting" in event[0], event
-            assert event[1] - killed < STREAM_END_S
-
-            # Meanwhile: 503 with Retry-After, and readiness says not ready.
-            statuses = []
-            readiness: list[tuple[int, float]] = []  # (Triton's model readiness, when) after each 503
-            while len(statuses) < 3 or statuses[-1][0] != 200:
+            def read_openai_stream() -> None:
                 try:
-                    client.chat.completions.create(model="lookahead", messages=prompt, max_tokens=4)
-                    statuses.append((200, None, time.monotonic() - killed))
-                except openai.APIStatusError as error:
-                    statuses.append(
-                        (
-                            error.status_code,
-                            error.response.headers.get("retry-after"),
-                            time.monotonic() - killed,
+                    chunks = client.chat.completions.create(
+                        model="lookahead",
+                        messages=prompt,
+                        max_tokens=4096,
+                        stream=True,
+                        extra_body={"ignore_eos": True},
+                    )
+                    for _ in chunks:
+                        openai_events.put(("chunk", time.monotonic()))
+                    openai_events.put(("end", time.monotonic()))
+                except openai.APIError as error:
+                    openai_events.put((f"error: {error}", time.monotonic()))
+
+            threading.Thread(target=read_openai_stream, daemon=True).start()
+            assert openai_events.get(timeout=120)[0] == "chunk"
+
+            os.kill(stub, signal.SIGKILL)  # as the OOM killer does
+            killed = time.monotonic()
+            try:  # the model's own restart
+                # The OpenAI stream ends with an error event; the Triton stream with an error response.
+                while (event := openai_events.get(timeout=30))[0] == "chunk":
+                    pass
+                print(f"the OpenAI stream ended {event[1] - killed:.1f} s after the SIGKILL: {event[0]}")
+                assert event[0].startswith("error:") and "restarting" in event[0], event
+                assert event[1] - killed < STREAM_END_S
+
+                # Meanwhile: 503 with Retry-After, and readiness says not ready.
+                statuses = []
+                readiness: list[tuple[int, float]] = []  # (Triton's model readiness, when) after each 503
+                while len(statuses) < 3 or statuses[-1][0] != 200:
+                    try:
+                        client.chat.completions.create(model="lookahead", messages=prompt, max_tokens=4)
+                        statuses.append((200, None, time.monotonic() - killed))
+                    except openai.APIStatusError as error:
+                        statuses.append(
+                            (
+                                error.status_code,
+                                error.response.headers.get("retry-after"),
+                                time.monotonic() - killed,
+                            )
                         )
-                    )
-                    assert error.status_code == 503 and error.response.headers.get("retry-after") == "1", (
-                        statuses
-                    )
-                    readiness.append((http(f"{triton}/v2/models/lookahead/ready")[0], statuses[-1][2]))
-                    time.sleep(0.5)
-                assert time.monotonic() - killed < BACK_S, statuses
-            # At once Triton still says ready; and the model may turn ready between the last 503 and
-            # its probe. Between the two, Triton agrees that it is not ready.
-            assert all(ready != 200 or at < 1 for ready, at in readiness[:-1]), (statuses, readiness)
-            back = time.monotonic() - killed
-            print(
-                f"the model served again {back:.1f} s after the SIGKILL; requests meanwhile: {statuses[:-1]}"
-            )
-            assert [status for status, _, _ in statuses[:-1]] == [503] * (len(statuses) - 1) and len(
-                statuses
-            ) > 1
-            # A raw Triton stream held by the dead stub gets no final response (documented): only reported.
-            triton_end = None
-            while time.monotonic() < killed + 30 and triton_end is None:
-                try:
-                    result, error = stream.responses.get(timeout=1)
-                except queue.Empty:
-                    continue
-                if error is not None or result.get_response().parameters["triton_final_response"].bool_param:
-                    triton_end = (time.monotonic() - killed, error)
-            print(f"the Triton stream: {triton_end}")
-            assert http(f"{triton}/v2/models/lookahead/ready")[0] == 200
+                        assert (
+                            error.status_code == 503 and error.response.headers.get("retry-after") == "1"
+                        ), statuses
+                        readiness.append((http(f"{triton}/v2/models/lookahead/ready")[0], statuses[-1][2]))
+                        time.sleep(0.5)
+                    assert time.monotonic() - killed < BACK_S, statuses
+                # At once Triton still says ready; and the model may turn ready between the last 503 and
+                # its probe. Between the two, Triton agrees that it is not ready.
+                assert all(ready != 200 or at < 1 for ready, at in readiness[:-1]), (statuses, readiness)
+                back = time.monotonic() - killed
+                meanwhile = statuses[:-1]
+                print(
+                    f"the model served again {back:.1f} s after the SIGKILL; requests meanwhile: {meanwhile}"
+                )
+                assert meanwhile and [status for status, _, _ in meanwhile] == [503] * len(meanwhile)
+                # A raw Triton stream held by the dead stub gets no final response (documented): reported.
+                triton_end = None
+                while time.monotonic() < killed + 30 and triton_end is None:
+                    try:
+                        result, error = stream.responses.get(timeout=1)
+                    except queue.Empty:
+                        continue
+                    if (
+                        error is not None
+                        or result.get_response().parameters["triton_final_response"].bool_param
+                    ):
+                        triton_end = (time.monotonic() - killed, error)
+                print(f"the Triton stream: {triton_end}")
+                assert http(f"{triton}/v2/models/lookahead/ready")[0] == 200
 
-            # Warm from its snapshot; the restart counted; nothing of the dead stub left.
-            loads = re.findall(r"Trie for lookahead_0_0: \S+ \((\d+) nodes\)", launcher.text())
-            assert len(loads) == 2 and int(loads[1]) > 0, loads
-            metrics = http(f"http://127.0.0.1:{launcher.ports['metrics']}/metrics")[2]
-            assert re.search(r'lookahead_model_restarts_total\{[^}]*model="lookahead"[^}]*\} 1\b', metrics), [
-                line for line in metrics.splitlines() if "restarts" in line
-            ]
-            assert not (Path("/dev/shm") / region).exists()
-            assert len(stubs_of(descendants(launcher.process.pid), "lookahead")) == 1
+                # Warm from its snapshot; the restart counted; nothing of the dead stub left.
+                loads = re.findall(r"Trie for lookahead_0_0: \S+ \((\d+) nodes\)", launcher.text())
+                assert len(loads) == 2 and int(loads[1]) > 0, loads
+                metrics = http(f"http://127.0.0.1:{launcher.ports['metrics']}/metrics")[2]
+                assert re.search(
+                    r'lookahead_model_restarts_total\{[^}]*model="lookahead"[^}]*\} 1\b', metrics
+                ), [line for line in metrics.splitlines() if "restarts" in line]
+                assert not (Path("/dev/shm") / region).exists()
+                assert len(stubs_of(descendants(launcher.process.pid), "lookahead")) == 1
 
-        except (AssertionError, openai.APIError, queue.Empty):
-            if UPSTREAM_ABORT not in launcher.text():
-                raise
-            # tritonserver itself aborted on the dead stub's lock: the launcher's restart instead.
-            print("tritonserver aborted (upstream lock_exception); checking that it was started again")
-            assert started_again(launcher, client, prompt)
-        launcher.stop_cleanly()
-    except BaseException:
-        launcher.kill_everything()
-        raise
-    finally:
-        if stream is not None:
-            stream.close(cancel_requests=True)
+            except (AssertionError, openai.APIError, queue.Empty):
+                if UPSTREAM_ABORT not in launcher.text():
+                    raise
+                # tritonserver itself aborted on the dead stub's lock: the launcher's restart instead.
+                print("tritonserver aborted (upstream lock_exception); checking that it was started again")
+                assert started_again(launcher, client, prompt)
+            launcher.stop_cleanly()
 
 
 def test_a_tritonserver_that_aborts_is_started_again_and_the_endpoint_serves_through_it(shipped, tmp_path):
     """An abort in native code (SIGABRT, as an upstream lock error raises) ends tritonserver and its
     stubs; the launcher starts it again on the same ports, the models warm from their snapshots,
     and the OpenAI endpoint, which stayed up, answers through the new server."""
-    launcher = Launcher(shipped, tmp_path)
-    try:
+    with Launcher(shipped, tmp_path) as launcher:
         assert launcher.wait_ready(), launcher.text()[-3000:]
         processes = launcher.processes
         [server] = [
@@ -404,68 +408,50 @@ def test_a_tritonserver_that_aborts_is_started_again_and_the_endpoint_serves_thr
         assert not [region for region in regions if (Path("/dev/shm") / region).exists()]
 
         launcher.stop_cleanly()
-    except BaseException:
-        launcher.kill_everything()
-        raise
 
 
 def test_a_sigkilled_launcher_takes_tritonserver_its_stubs_and_the_endpoint_with_it(baseline, tmp_path):
-    launcher = Launcher(baseline, tmp_path)
-    stream = None
-    try:
+    with Launcher(baseline, tmp_path) as launcher:
         assert launcher.wait_ready(), launcher.text()[-3000:]
         processes = launcher.processes
         assert len(processes) >= 3, processes  # tritonserver, a backend stub, the endpoint
-        stream = GrpcStream(SimpleNamespace(grpc_url=f"localhost:{launcher.ports['grpc']}"))
-        options = {"max_tokens": 1024, "ignore_eos": True}
-        stream.send("baseline", grpc_inputs("Write a long story.", sampling_parameters=options), "long")
-        assert stream.responses.get(timeout=120)[1] is None  # streaming
-        drains = {drain_folder(pid) for pid in processes} - {None}
-        assert drains
-        killed = time.monotonic()
-        launcher.process.kill()  # as the OOM killer does: no handler runs
-        launcher.process.wait()
-        assert wait_for(lambda: not any(alive(pid) for pid in processes), 30), [
-            p for p in processes if alive(p)
-        ]
-        print(f"every process gone {time.monotonic() - killed:.1f} s after the SIGKILL")
-        assert all(port_free(port) for port in launcher.ports.values())
-        assert wait_for(lambda: not any(folder.exists() for folder in drains), 10)  # the last stub removes it
-    except BaseException:
-        launcher.kill_everything()
-        raise
-    finally:
-        if stream is not None:
-            stream.close(cancel_requests=True)
+        with grpc_stream(launcher) as stream:
+            options = {"max_tokens": 1024, "ignore_eos": True}
+            stream.send("baseline", grpc_inputs("Write a long story.", sampling_parameters=options), "long")
+            assert stream.responses.get(timeout=120)[1] is None  # streaming
+            drains = {drain_folder(pid) for pid in processes} - {None}
+            assert drains
+            killed = time.monotonic()
+            launcher.process.kill()  # as the OOM killer does: no handler runs
+            launcher.process.wait()
+            assert wait_for(lambda: not any(alive(pid) for pid in processes), 30), [
+                p for p in processes if alive(p)
+            ]
+            print(f"every process gone {time.monotonic() - killed:.1f} s after the SIGKILL")
+            assert all(port_free(port) for port in launcher.ports.values())
+            assert wait_for(
+                lambda: not any(folder.exists() for folder in drains), 10
+            )  # the last stub removes it
 
 
 def test_a_client_that_never_closes_its_stream_cannot_hold_the_stop_past_its_bound(baseline, tmp_path):
-    launcher = Launcher(baseline, tmp_path, openai=False)
-    stream = None
-    try:
+    with Launcher(baseline, tmp_path, openai=False) as launcher:
         assert launcher.wait_ready(), launcher.text()[-3000:]
         processes = launcher.processes
-        stream = GrpcStream(SimpleNamespace(grpc_url=f"localhost:{launcher.ports['grpc']}"))
-        stream.send("baseline", grpc_inputs("Hi", sampling_parameters={"max_tokens": 2}), "short")
-        stream.collect()  # answered; the stream stays open, holding the model
-        signalled = time.monotonic()
-        launcher.process.send_signal(signal.SIGTERM)
-        assert launcher.process.wait(timeout=STOP_TIMEOUT_S + 10) == 0, launcher.text()[-3000:]
-        took = time.monotonic() - signalled
-        print(f"the launcher stopped in {took:.1f} s with the stream still open")
-        assert took < STOP_TIMEOUT_S + 2
-        assert not any(alive(pid) for pid in processes)
-    except BaseException:
-        launcher.kill_everything()
-        raise
-    finally:
-        if stream is not None:
-            stream.close(cancel_requests=True)
+        with grpc_stream(launcher) as stream:
+            stream.send("baseline", grpc_inputs("Hi", sampling_parameters={"max_tokens": 2}), "short")
+            stream.collect()  # answered; the stream stays open, holding the model
+            signalled = time.monotonic()
+            launcher.process.send_signal(signal.SIGTERM)
+            assert launcher.process.wait(timeout=STOP_TIMEOUT_S + 10) == 0, launcher.text()[-3000:]
+            took = time.monotonic() - signalled
+            print(f"the launcher stopped in {took:.1f} s with the stream still open")
+            assert took < STOP_TIMEOUT_S + 2
+            assert not any(alive(pid) for pid in processes)
 
 
 def test_the_launcher_stops_everything_when_its_endpoint_dies(tmp_path):
-    launcher = Launcher(write_toy_repository(tmp_path, tmp_path / "finalized"), tmp_path)
-    try:
+    with Launcher(write_toy_repository(tmp_path, tmp_path / "finalized"), tmp_path) as launcher:
         assert launcher.wait_ready(), launcher.text()[-3000:]
         processes = launcher.processes
         [endpoint] = [pid for pid in processes if b"frontend" in Path(f"/proc/{pid}/cmdline").read_bytes()]
@@ -473,22 +459,20 @@ def test_the_launcher_stops_everything_when_its_endpoint_dies(tmp_path):
         assert launcher.process.wait(timeout=STOP_TIMEOUT_S + 10) != 0
         assert "the OpenAI endpoint exited" in launcher.text()
         assert not any(alive(pid) for pid in processes)
-    except BaseException:
-        launcher.kill_everything()
-        raise
 
 
 def test_two_launchers_racing_for_one_port_never_both_claim_it(tmp_path):
     repository = write_toy_repository(tmp_path, tmp_path / "finalized")
-    first = Launcher(repository, tmp_path)
+    openai_port = free_port()
     # Distinct Triton ports, the same endpoint port, started together: both see it free.
-    second = Launcher(
-        repository,
-        tmp_path,
-        ports={**{n: free_port() for n in ("http", "grpc", "metrics")}, "openai": first.ports["openai"]},
-    )
-    launchers = [first, second]
-    try:
+    ports = [
+        {**{n: free_port() for n in ("http", "grpc", "metrics")}, "openai": openai_port} for _ in range(2)
+    ]
+    with (
+        Launcher(repository, tmp_path, ports[0]) as first,
+        Launcher(repository, tmp_path, ports[1]) as second,
+    ):
+        launchers = [first, second]
         ready = [launcher.wait_ready() for launcher in launchers]
         assert ready.count(True) == 1, [launcher.text()[-2000:] for launcher in launchers]
         [winner] = [launcher for launcher, up in zip(launchers, ready) if up]
@@ -500,7 +484,3 @@ def test_two_launchers_racing_for_one_port_never_both_claim_it(tmp_path):
         assert wait_for(lambda: not running_with(f"--http-port={loser.ports['http']}"), 30)
         winner.process.send_signal(signal.SIGTERM)
         assert winner.process.wait(timeout=STOP_TIMEOUT_S + 10) == 0
-    except BaseException:
-        for launcher in launchers:
-            launcher.kill_everything()
-        raise
