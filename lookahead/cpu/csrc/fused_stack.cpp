@@ -117,6 +117,9 @@ struct AttentionUnit {
   int64_t first_row, rows, first_head, heads;
   int64_t first_span = 0, end_span = std::numeric_limits<int64_t>::max();
   bool split = false;
+
+  // Where the unit's spans end in a list of `count` entries (the last span runs to its end).
+  int64_t end_entry(int64_t count) const { return end_span > count / kSpan ? count : end_span * kSpan; }
 };
 constexpr int64_t kQueriesPerUnit = 128;
 
@@ -247,8 +250,8 @@ std::vector<double> attention_costs(const std::vector<AttentionUnit>& units, con
     double entries = 0.0;
     for (int64_t r = unit.first_row; r < unit.first_row + unit.rows; ++r) {
       const int64_t count = static_cast<int64_t>(visible[r].entries.size());
-      const int64_t end = unit.end_span > count / kSpan ? count : unit.end_span * kSpan;
-      entries += static_cast<double>(std::max<int64_t>(0, end - unit.first_span * kSpan)) + 2 * kLanes;
+      const int64_t read = unit.end_entry(count) - unit.first_span * kSpan;
+      entries += static_cast<double>(std::max<int64_t>(0, read)) + 2 * kLanes;
     }
     prefix[u + 1] = prefix[u] + entries * static_cast<double>(units[u].heads);
   }
@@ -311,8 +314,7 @@ void attend(const AttentionUnit& unit, const float* qkv, int64_t qkv_width, cons
   int64_t part[kQueriesPerUnit];  // a split unit's query: where its spans' parts go
   for (int64_t i = 0; i < Q; ++i)
     part[i] = unit.split ? parts.at(unit.first_row + i / unit.heads, unit.first_head + i % unit.heads, 0) : 0;
-  const int64_t last = unit.end_span > longest / kSpan ? longest : unit.end_span * kSpan;
-  for (int64_t e0 = unit.first_span * kSpan; e0 < last; e0 += kSpan) {
+  for (int64_t e0 = unit.first_span * kSpan, last = unit.end_entry(longest); e0 < last; e0 += kSpan) {
     const int64_t e1 = e0 + kSpan, common = std::clamp(shared, e0, e1);  // [e0, common): entry j is j for all
     for (int64_t j = e0; j < common; j += kLanes) {
       const int64_t n = std::min(kLanes, common - j);
