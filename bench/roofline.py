@@ -213,8 +213,10 @@ def breakdown(decoder: LookaheadDecoder, cached: int, repeats: int, steps: int) 
         stack.reset_step_times()
         stack.profiling = True
     head = decoder.runner.head_of_hidden
-    if head is not None:  # timed inside the forwards: its weights come from memory there, not a warm cache
-        decoder.runner.head_of_hidden = TimedCalls(head)
+    # The head is timed inside the forwards: its weights come from memory there, not a warm cache.
+    timed_head = None if head is None else TimedCalls(head)
+    if timed_head is not None:
+        decoder.runner.head_of_hidden = timed_head
     total = median_ms(lambda: forward_seconds(decoder, 1, cached), repeats)
     result["forward"] = total
     if stack is not None:
@@ -233,8 +235,7 @@ def breakdown(decoder: LookaheadDecoder, cached: int, repeats: int, steps: int) 
         result["  the rest (attention, norms, RoPE, SiLU, dispatch, hand-offs)"] = result[
             "layer stack"
         ] - sum(value for key, value in result.items() if key.endswith("matrices alone"))
-    if head is not None:
-        timed_head = decoder.runner.head_of_hidden
+    if timed_head is not None:
         result["LM head"] = timed_head.seconds / timed_head.calls * 1e3
         decoder.runner.head_of_hidden = head
     if stack is not None:

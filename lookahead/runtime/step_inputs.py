@@ -6,7 +6,9 @@ sees its request's committed prefix, the chunk, and its own ancestors (never its
 other requests' tokens) and sits at position prefix + depth, so the model scores every branch as
 if it were a plain continuation. The mask is block-diagonal over the segments' reads laid side by
 side (kv_pool.PoolStep). A step of one-token segments only (plain batched decoding) is fed as a
-[k, 1] block instead (`decode_inputs`), which attention reads in one batched call.
+[k, 1] block instead (`decode_inputs`), which attention reads in one batched call. Every step
+builds these, so the index arrays and visibility are built in numpy, where a slice assignment costs
+a tenth of a torch call, and become tensors at the end.
 
 Models with a sliding attention window (Mistral's `sliding_window`, the "sliding_attention"
 layers of Gemma 2/3, Qwen 2/3 and others) see, in those layers, only the keys whose position is
@@ -84,10 +86,6 @@ def to_device(mask: Mask, device: torch.device) -> Mask:
 def draft_positions(draft: Draft, prefix_len: int) -> np.ndarray:
     """[n] positions of a draft's nodes: the root right after the committed prefix, children one deeper."""
     return np.asarray(draft.depths(), dtype=np.int64) + prefix_len
-
-
-# The step's index arrays and visibility are built in numpy, where a slice assignment costs a tenth
-# of a torch call: every decoding step builds them.
 
 
 def decode_inputs(
