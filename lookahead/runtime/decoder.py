@@ -386,13 +386,13 @@ class LookaheadDecoder:
         cost = self.cost
         started = time.perf_counter()
         times = self.last_step = StepTimes()
-        self.runner.pack()  # before any slot is looked up: packing moves requests between slots
         outputs: dict[int, StepOutput] = {}
-        for gen in generations:
+        for gen in generations:  # new requests take the slots finished ones left first
             if gen.fed is None and not gen.awaits_leader:
                 failure = _isolated(gen, lambda gen=gen: self._admit(gen))
                 if failure is not None:
                     outputs[id(gen)] = failure
+        self.runner.pack()  # before any slot is looked up: packing moves requests between slots
         admitted = [gen for gen in generations if id(gen) not in outputs and gen.fed is not None]
         plan = self.scheduler.plan(admitted, cost)
         times.draft = plan.draft_seconds
@@ -469,7 +469,7 @@ class LookaheadDecoder:
             if verdict is None:
                 continue
             if not gen.stats.output_tokens:  # the draft after the prompt's last chunk
-                self._prompt_read(gen, segment)
+                self._prompt_read(gen)
             else:
                 gen.stats.steps += 1
                 gen.stats.forward_seconds.append(elapsed)
@@ -486,14 +486,14 @@ class LookaheadDecoder:
         times.verify = time.perf_counter() - started - times.forward - committing
         return outputs
 
-    def _prompt_read(self, gen: Generation, segment: Segment) -> None:
+    def _prompt_read(self, gen: Generation) -> None:
         """The prompt's last chunk was fed: keep its KV for later prompts sharing a prefix (unless
         the request has `learn` off)."""
         gen.stats.prefill_seconds = time.perf_counter() - (gen.started or time.perf_counter())
         if gen.scoring_prompt or not gen.config.learn:
             return
         # The root's entry is the prompt's last one: the first prompt_len entries are the prompt's.
-        self.runner.keep_prompt(gen.ids[: gen.prompt_len], segment.slot)
+        self.runner.share_prompt(gen, gen.ids[: gen.prompt_len])
 
     def _release(self, gen: Generation) -> None:
         """Give a generation's slot back; a request that ran to its end first leaves its prompt and

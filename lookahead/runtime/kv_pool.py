@@ -181,6 +181,8 @@ class KVPool:
         length = keys[0].shape[2] if keys else 0
         if not self.keys:
             self._allocate(slots=1, capacity=max(INITIAL_LENGTH, pow2(length)))
+        elif length > self.capacity:  # a growth: the holders first fill the free slots before them
+            self.pack(used)
         slot = next((i for i, o in enumerate(self.owners) if o is None), None)
         if slot is None:
             slot = len(self.owners)

@@ -7,6 +7,9 @@ output here. A prefill is bound by arithmetic, so every token found here is one 
 not recompute. Entries are whole token sequences, least recently used dropped first, within a
 bound on the KV positions held (an entry whose tokens begin a new one's is dropped for it); a
 lookup takes the longest common prefix with any of them.
+A running request's prompt is shared without a copy: its entry reads the request's own pool slot
+(`share`) until the request leaves (`release`), when it becomes a copy, unless the request's
+prompt and output replaced it; only copies count toward the bound.
 Logits over a cached prefix equal those over a recomputed one up to the attention kernel's
 summation order, which depends on how many rows it is fed (~1e-7 relative, as between a plain
 prefill and the decoder's own steps; tests/unit/runtime/test_prefix_cache.py).
@@ -18,9 +21,12 @@ lookups do not refresh an entry's place): what it reads is what any client can r
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+KV = tuple[list[torch.Tensor], list[torch.Tensor]]  # keys and values, per layer [1, kv_heads, n, head_dim]
 
 
 @dataclass(frozen=True)
@@ -28,6 +34,26 @@ class _Entry:
     tokens: torch.Tensor  # [n] prompt ids
     keys: list[torch.Tensor]  # per layer [1, kv_heads, >= n, head_dim]; entries past n unused
     values: list[torch.Tensor]
+
+    @property
+    def held(self) -> int:
+        return self.keys[0].shape[-2] if self.keys else 0
+
+    def read(self, n: int) -> KV:
+        return [keys[:, :, :n] for keys in self.keys], [values[:, :, :n] for values in self.values]
+
+
+@dataclass(frozen=True)
+class _Shared:
+    """A running request's prompt, read from its pool slot: `copy(n)` copies its first n entries."""
+
+    tokens: torch.Tensor
+    holder: object
+    copy: Callable[[int], KV]
+    held = 0  # its KV is the request's own
+
+    def read(self, n: int) -> KV:
+        return self.copy(n)
 
 
 class PrefixCache:
@@ -37,12 +63,12 @@ class PrefixCache:
         if capacity < 0:
             raise ValueError(f"capacity must be >= 0, got {capacity}")
         self.capacity = capacity
-        self._entries: OrderedDict[tuple[int, ...], _Entry] = OrderedDict()
+        self._entries: OrderedDict[tuple[int, ...], _Entry | _Shared] = OrderedDict()
         self._held = 0
 
     @property
     def tokens(self) -> int:
-        """KV positions held (the prompts' and whatever else their tensors hold)."""
+        """KV positions held in copies (the prompts' and whatever else their tensors hold)."""
         return self._held
 
     def lookup(self, prompt: list[int]) -> tuple[int, list[torch.Tensor], list[torch.Tensor]]:
@@ -62,12 +88,7 @@ class PrefixCache:
         if best is None:
             return 0, [], []
         self._entries.move_to_end(best)
-        entry = self._entries[best]
-        return (
-            found,
-            [keys[:, :, :found] for keys in entry.keys],
-            [values[:, :, :found] for values in entry.values],
-        )
+        return (found, *self._entries[best].read(found))
 
     def holds(self, prompt: list[int]) -> bool:
         return tuple(prompt) in self._entries
@@ -75,16 +96,31 @@ class PrefixCache:
     def store(self, prompt: list[int], keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
         """Hold the KV of `prompt`: the first len(prompt) entries of keys and values (per layer
         [1, kv_heads, >= len(prompt), head_dim]; not copied: the caller must not write to them)."""
-        key = tuple(prompt)
-        held = keys[0].shape[-2] if keys else 0
-        if held > self.capacity or key in self._entries:
+        entry = _Entry(torch.tensor(prompt), list(keys), list(values))
+        if entry.held <= self.capacity:
+            self._add(tuple(prompt), entry)
+
+    def share(self, prompt: list[int], holder: object, copy: Callable[[int], KV]) -> None:
+        """Let later prompts find `prompt`, whose KV `holder` holds while it runs: copy(n) copies
+        its first n entries (per layer [1, kv_heads, n, head_dim]). Until `release(holder)`."""
+        if len(prompt) <= self.capacity:
+            self._add(tuple(prompt), _Shared(torch.tensor(prompt), holder, copy))
+
+    def release(self, holder: object) -> None:
+        """`holder` leaves: each prompt it shares that is still here becomes a copy."""
+        for key in [k for k, entry in self._entries.items() if getattr(entry, "holder", None) is holder]:
+            shared = self._entries.pop(key)
+            self.store(list(key), *shared.read(len(key)))
+
+    def _add(self, key: tuple[int, ...], entry: _Entry | _Shared) -> None:
+        if key in self._entries:
             return
         # An entry holding a prefix of this one is subsumed by it: a finished request's prompt
         # and output replace its prompt's entry.
         for shorter in [k for k in self._entries if len(k) < len(key) and key[: len(k)] == k]:
-            self._held -= self._entries.pop(shorter).keys[0].shape[-2]
-        while self._held + held > self.capacity:
+            self._held -= self._entries.pop(shorter).held
+        while self._held + entry.held > self.capacity:
             _, dropped = self._entries.popitem(last=False)
-            self._held -= dropped.keys[0].shape[-2]
-        self._entries[key] = _Entry(torch.tensor(prompt), list(keys), list(values))
-        self._held += held
+            self._held -= dropped.held
+        self._entries[key] = entry
+        self._held += entry.held

@@ -156,11 +156,18 @@ class ModelRunner:
         )
 
     def release(self, gen: Generation) -> None:
-        """Give a generation's slot back."""
+        """Give a generation's slot back (a prompt it shares is copied out first)."""
+        self.prefix_cache.release(gen)
         self.pool.release(gen)
 
+    def share_prompt(self, gen: Generation, prompt: list[int]) -> None:
+        """Let later prompts find a running generation's read prompt (the first len(prompt)
+        entries of its slot), copied only when one does, or when the generation leaves."""
+        if not self.prefix_cache.holds(prompt):
+            self.prefix_cache.share(prompt, gen, lambda n: self.pool.prefix(self.pool.slot_of(gen), n))
+
     def keep_prompt(self, prompt: list[int], slot: int) -> None:
-        """Keep a read prompt's KV (the first len(prompt) entries of its slot) for later prompts
+        """Keep a copy of a slot's first len(prompt) entries, the KV of `prompt`, for later prompts
         sharing a prefix, where the prefix cache has room and does not hold it yet."""
         if not self.prefix_cache.capacity or len(prompt) > self.prefix_cache.capacity:
             return

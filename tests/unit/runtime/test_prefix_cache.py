@@ -177,3 +177,34 @@ def test_a_conversations_next_turn_finds_the_last_answer_cached(tiny_model, byte
     cancelled.step()
     cancelled.close()
     assert all(len(key) != len(cancelled.ids) - 1 for key in decoder.runner.prefix_cache._entries)
+
+
+def test_a_running_requests_prompt_is_shared_uncopied_until_it_leaves(tiny_model, byte_tokenizer) -> None:
+    """Its entry reads the request's own slot, wherever packing moves it; a request that leaves
+    before its end leaves a copy of its prompt; lossless throughout."""
+    model = tiny_model("qwen2")
+    decoder = LookaheadDecoder(model, byte_tokenizer, NGramTrie(capacity=10_000, max_depth=9))
+    cache = decoder.runner.prefix_cache
+    system = list(b"You are a helpful assistant. ")
+    left, running = (
+        decoder.start(system + list(question), SamplingParams(max_tokens=16))
+        for question in (b"Bye.", b"How far is the moon?")
+    )
+    decoder.step([left, running])  # both read their prompts, into slots 0 and 1
+    assert not left.finished and decoder.runner.slot_of(running) == 1
+    assert cache.holds(left.ids[: left.prompt_len]) and cache.holds(running.ids[: running.prompt_len])
+    assert cache.tokens == 0  # no copy: the entries read the requests' slots
+    left.close()
+    assert cache.tokens == left.prompt_len  # it left: its prompt's entry is a copy now
+    running.step()
+    assert decoder.runner.slot_of(running) == 0  # packing moved it into the slot left free
+    other = decoder.start(list(b"Something else entirely."), SamplingParams(max_tokens=4))
+    other.step()
+    assert decoder.runner.slot_of(other) == 1  # over what the moved request left there
+    follow = running.ids[: running.prompt_len] + list(b" And the sun?")
+    ids, stats = decoder.generate(follow, SamplingParams(max_tokens=10))
+    assert stats.cached_prompt_tokens == running.prompt_len
+    assert ids == plain_greedy(model, follow, 10)
+    while not running.finished:
+        running.step()
+    assert running.output_ids == plain_greedy(model, running.ids[: running.prompt_len], 16)
