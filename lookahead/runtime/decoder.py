@@ -387,11 +387,13 @@ class LookaheadDecoder:
         started = time.perf_counter()
         times = self.last_step = StepTimes()
         outputs: dict[int, StepOutput] = {}
-        for gen in generations:  # new requests take the slots finished ones left first
-            if gen.fed is None and not gen.awaits_leader:
-                failure = _isolated(gen, lambda gen=gen: self._admit(gen))
-                if failure is not None:
-                    outputs[id(gen)] = failure
+        newcomers = [gen for gen in generations if gen.fed is None and not gen.awaits_leader]
+        if len(newcomers) > 1:
+            self.runner.make_room(len(newcomers))
+        for gen in newcomers:  # they take the slots finished requests left first
+            failure = _isolated(gen, lambda gen=gen: self._admit(gen))
+            if failure is not None:
+                outputs[id(gen)] = failure
         self.runner.pack()  # before any slot is looked up: packing moves requests between slots
         admitted = [gen for gen in generations if id(gen) not in outputs and gen.fed is not None]
         plan = self.scheduler.plan(admitted, cost)

@@ -198,6 +198,18 @@ class KVPool:
             self.values[layer][slot, :, :length] = source_values[0]
         return slot
 
+    def make_room(self, holders: int, used: int = 0) -> None:
+        """At least `holders` free slots, in one allocation (admitting them one by one would copy
+        the buffers once each). `used`: as for admit. KVCacheFull, with nothing changed, when that
+        goes past the limit."""
+        free = self.owners.count(None)
+        if holders <= free:
+            return
+        if not self.keys:
+            self._allocate(slots=holders, capacity=INITIAL_LENGTH)
+        else:
+            self._resize(slots=len(self.owners) + holders - free, capacity=max(INITIAL_LENGTH, pow2(used)))
+
     def release(self, owner: object) -> None:
         self.owners[self.owners.index(owner)] = None
 

@@ -22,7 +22,7 @@ from transformers import DynamicCache
 from ..algorithm.draft import Draft
 from .core_budget import CoreBudget
 from .generation import Generation
-from .kv_pool import INITIAL_LENGTH, KVLayout, KVPool, PoolStep, accepted_moves, footprint, pow2
+from .kv_pool import INITIAL_LENGTH, KVCacheFull, KVLayout, KVPool, PoolStep, accepted_moves, footprint, pow2
 from .output_layer import plain_output_layer
 from .prefix_cache import PrefixCache
 from .step_inputs import AttentionMasks, Segment, decode_inputs, ragged_inputs, to_device
@@ -125,6 +125,16 @@ class ModelRunner:
         """The running requests in the first slots, so that a growth allocates only theirs
         (kv_cache_bytes counts running requests); between steps only (slot numbers change)."""
         self.pool.pack(self.held_entries())
+
+    def make_room(self, newcomers: int) -> None:
+        """Slots for this many new generations, allocated at once where the KV bound allows (else
+        each admission grows the pool, or is refused, on its own)."""
+        if self.pool.layout is None:
+            self.pool.layout = self.kv_layout
+        try:
+            self.pool.make_room(newcomers, used=self.held_entries())
+        except KVCacheFull:
+            pass
 
     def admit(self, gen: Generation, use_prefix_cache: bool) -> int:
         """Give a new generation a pool slot holding whatever prefix of its prompt the prefix cache

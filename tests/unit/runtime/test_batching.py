@@ -426,3 +426,36 @@ def test_the_longest_prompt_follows_the_context_length_within_kv_cache_bytes(tin
     bounded.check_request(longest, SamplingParams(max_tokens=1), lookahead)
     with pytest.raises(ValueError, match="kv_cache_bytes"):
         bounded.check_request(longest + 1, SamplingParams(max_tokens=1), lookahead)
+
+
+def test_requests_joining_together_get_their_slots_in_one_allocation(tiny_model, byte_tokenizer, monkeypatch):
+    """Admitted one by one, each newcomer would copy the pool's buffers again; outputs as alone."""
+    model = tiny_model("llama")
+    decoder = LookaheadDecoder(model, byte_tokenizer, NGramTrie(10_000, 9))
+    running = {0: decoder.start([1, 2, 3], SamplingParams(max_tokens=30))}
+    outputs = {0: decoder.step([running[0]])[0].token_ids}
+    allocations = []
+    for name in ("_allocate", "_resize"):
+        allocate = getattr(KVPool, name)
+        monkeypatch.setattr(
+            KVPool,
+            name,
+            lambda pool, _allocate=allocate, _name=name, **sizes: [
+                allocations.append(_name),
+                _allocate(pool, **sizes),
+            ],
+        )
+    prompts = {i: [4 + i, 5, 6, 7] for i in range(1, 6)}
+    for i, prompt in prompts.items():
+        running[i], outputs[i] = decoder.start(prompt, SamplingParams(max_tokens=30)), []
+    while running:
+        order = list(running)
+        for i, out in zip(order, decoder.step([running[i] for i in order])):
+            assert out.error is None, out.error
+            outputs[i] += out.token_ids
+            if out.finish_reason:
+                del running[i]
+    assert allocations == ["_resize"]  # six slots at once, of the 256 entries every request needed
+    for i, prompt in {0: [1, 2, 3], **prompts}.items():
+        expected = plain_greedy(model, prompt, 30)
+        assert outputs[i][: len(expected)] == expected, f"request {i}"
