@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 import sys
 import threading
+from typing import Any
 
 import pytest
 import torch
@@ -346,6 +347,17 @@ def live_pool_bytes(monkeypatch: pytest.MonkeyPatch, pool: KVPool) -> list[int]:
     return peak
 
 
+def step_running(decoder: LookaheadDecoder, running: dict[int, Any], outputs: dict[int, list[int]]) -> None:
+    """One step of every running request: each one's tokens go to its outputs, and finished ones
+    leave `running`."""
+    order = list(running)
+    for i, out in zip(order, decoder.step([running[i] for i in order])):
+        assert out.error is None, out.error
+        outputs[i] += out.token_ids
+        if out.finish_reason:
+            del running[i]
+
+
 def test_requests_admitted_by_fits_never_take_the_pool_past_kv_cache_bytes(
     tiny_model, byte_tokenizer, monkeypatch
 ):
@@ -376,12 +388,7 @@ def test_requests_admitted_by_fits_never_take_the_pool_past_kv_cache_bytes(
             i = waiting.pop(0)
             running[i], outputs[i] = decoder.start(prompt, params), []
         most = max(most, len(running))
-        order = list(running)
-        for i, out in zip(order, decoder.step([running[i] for i in order])):
-            assert out.error is None, out.error
-            outputs[i] += out.token_ids
-            if out.finish_reason:
-                del running[i]
+        step_running(decoder, running, outputs)
     assert most >= 3  # requests did run together
     assert 0 < peak[0] <= bound
     for i, (prompt, params) in enumerate(requests):  # transformers stops at the tiny model's eos (2)
@@ -449,12 +456,7 @@ def test_requests_joining_together_get_their_slots_in_one_allocation(tiny_model,
     for i, prompt in prompts.items():
         running[i], outputs[i] = decoder.start(prompt, SamplingParams(max_tokens=30)), []
     while running:
-        order = list(running)
-        for i, out in zip(order, decoder.step([running[i] for i in order])):
-            assert out.error is None, out.error
-            outputs[i] += out.token_ids
-            if out.finish_reason:
-                del running[i]
+        step_running(decoder, running, outputs)
     assert allocations == ["_resize"]  # six slots at once, of the 256 entries every request needed
     for i, prompt in {0: [1, 2, 3], **prompts}.items():
         expected = plain_greedy(model, prompt, 30)
