@@ -130,11 +130,20 @@ def port_free(port: int) -> bool:
     return True
 
 
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    """A TCP port that was free a moment ago (for tests that start their own server)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A TCP port that was free a moment ago and that this process was not given before (for tests
+    and benchmarks that start their own servers: the kernel may offer a port it just offered, and
+    one server's ports must differ)."""
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
 
 
 def refuse_busy_ports(ports: dict[str, int], error: type[RuntimeError] = ProcessError) -> None:

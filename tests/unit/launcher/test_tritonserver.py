@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from launcher import TritonServerError, cli, free_port, start_server, tritonserver
+from launcher import TritonServerError, cli, free_port, process, start_server, tritonserver
 from launcher.tritonserver import assemble_backend_directory
 from lookahead.contract import MODEL_ENV
 from tests.gguf_files import Q, write_gguf
@@ -101,6 +101,33 @@ def test_free_port_can_be_bound() -> None:
     port = free_port()
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", port))
+
+
+def test_free_port_never_gives_a_port_twice_when_the_kernel_offers_it_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A server's metrics port once came out equal to the OpenAI endpoint's: bind(0) may offer a
+    port it just offered."""
+    offered = iter([1, 1, 1, 2])
+
+    class OfferingSocket:
+        def __init__(self, *_: object) -> None:
+            self.port = next(offered)
+
+        def __enter__(self) -> OfferingSocket:
+            return self
+
+        def __exit__(self, *_: object) -> None:
+            pass
+
+        def bind(self, _: object) -> None:
+            pass
+
+        def getsockname(self) -> tuple[str, int]:
+            return "127.0.0.1", self.port
+
+    monkeypatch.setattr(process.socket, "socket", OfferingSocket)
+    assert [free_port(), free_port()] == [1, 2]
 
 
 def test_model_override_passes_an_embedded_name_or_a_folder_as_an_absolute_path(
