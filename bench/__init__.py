@@ -1,17 +1,18 @@
 """Every measurement of the project, run as `python -m bench NAME [ARGS]` (`--help` lists them).
 
-In one process, on the library: `decoding`, `forward_cost`, `roofline`, `perplexity`, `retrieval_cost`,
-`grammar_cost`, `oracle_bound`, `agreement`, `acceptance`, `device_check`. Through real servers (tritonserver,
-the OpenAI endpoint, llama-server, Redis): `load_test`, `step_profile`, `speedup`, `multi_turn`,
-`agent_loop`, `genai_perf`, `stall_test`, `structured`, `peer_llama_cpp`, `busy_neighbour`, `fleet`,
-with `ab_repository` to serve two revisions side by side. Prompt sets (prompt_sets.py,
-json_extraction.py) come from data files that pip packages ship; stdlib_sets.py builds its own
-from the interpreter's standard library.
+In one process, on the library: `decoding`, `step_kinds`, `forward_cost`, `roofline`, `perplexity`,
+`retrieval_cost`, `grammar_cost`, `oracle_bound`, `agreement`, `acceptance`, `device_check`.
+Through real servers (tritonserver, the OpenAI endpoint, llama-server, Redis): `load_test`,
+`step_profile`, `speedup`, `multi_turn`, `agent_loop`, `genai_perf`, `stall_test`, `structured`,
+`peer_llama_cpp`, `busy_neighbour`, `fleet`, with `ab_repository` to serve two revisions side by
+side. Prompt sets (prompt_sets.py, json_extraction.py) come from data files that pip packages ship;
+stdlib_sets.py builds its own from the interpreter's standard library.
 """
 
 # name -> what it measures (a module of this package with `main(argv) -> int`)
 BENCHMARKS = {
     "decoding": "the decoder against transformers' greedy and prompt lookup decoding, in one process",
+    "step_kinds": "lookahead against plain decoding, c requests running: each kind of step's time by part",
     "forward_cost": "a forward's cost by tokens fed, stock layers and each fast-path variant",
     "roofline": "each forward width beside this CPU's bandwidth and compute floors; a one-token breakdown",
     "retrieval_cost": "draft retrieval's cost per query on a large trie",
