@@ -45,15 +45,12 @@ class _Entry:
 
 @dataclass(frozen=True)
 class _Shared:
-    """A running request's prompt, read from its pool slot: `copy(n)` copies its first n entries."""
+    """A running request's prompt, read from its pool slot: `read(n)` copies its first n entries."""
 
     tokens: torch.Tensor
     holder: object
-    copy: Callable[[int], KV]
+    read: Callable[[int], KV]
     held = 0  # its KV is the request's own
-
-    def read(self, n: int) -> KV:
-        return self.copy(n)
 
 
 class PrefixCache:
@@ -108,7 +105,9 @@ class PrefixCache:
 
     def release(self, holder: object) -> None:
         """`holder` leaves: each prompt it shares that is still here becomes a copy."""
-        for key in [k for k, entry in self._entries.items() if getattr(entry, "holder", None) is holder]:
+        for key in [
+            k for k, entry in self._entries.items() if isinstance(entry, _Shared) and entry.holder is holder
+        ]:
             shared = self._entries.pop(key)
             self.store(list(key), *shared.read(len(key)))
 

@@ -121,6 +121,12 @@ class ModelRunner:
         """The most KV entries any running request holds between steps."""
         return max((len(gen.ids) for gen in self.pool.owners if gen is not None), default=0)
 
+    def _lay_out_pool(self) -> None:
+        """Give the pool the model's KV layout before its first slot (the model's first forward
+        tells it)."""
+        if self.pool.layout is None:
+            self.pool.layout = self.kv_layout
+
     def pack(self) -> None:
         """The running requests in the first slots, so that a growth allocates only theirs
         (kv_cache_bytes counts running requests); between steps only (slot numbers change)."""
@@ -129,8 +135,7 @@ class ModelRunner:
     def make_room(self, newcomers: int) -> None:
         """Slots for this many new generations, allocated at once where the KV bound allows (else
         each admission grows the pool, or is refused, on its own)."""
-        if self.pool.layout is None:
-            self.pool.layout = self.kv_layout
+        self._lay_out_pool()
         try:
             self.pool.make_room(newcomers, used=self.held_entries())
         except KVCacheFull:
@@ -139,8 +144,7 @@ class ModelRunner:
     def admit(self, gen: Generation, use_prefix_cache: bool) -> int:
         """Give a new generation a pool slot holding whatever prefix of its prompt the prefix cache
         has (only where `use_prefix_cache`); return that prefix's length."""
-        if self.pool.layout is None:
-            self.pool.layout = self.kv_layout
+        self._lay_out_pool()
         cached, keys, values = self.prefix_cache.lookup(gen.ids) if use_prefix_cache else (0, [], [])
         self.pool.admit(gen, keys, values, used=self.held_entries())
         return cached
@@ -148,8 +152,7 @@ class ModelRunner:
     def admit_after(self, gen: Generation, leader: Generation) -> int:
         """Give a new sample a pool slot holding its leader's prompt entries (the same prompt, all
         but its last token, which the sample feeds as its first root); return their count."""
-        if self.pool.layout is None:
-            self.pool.layout = self.kv_layout
+        self._lay_out_pool()
         keys, values = self.pool.prefix(self.pool.slot_of(leader), leader.root)
         self.pool.admit(gen, keys, values, used=self.held_entries())
         return leader.root
@@ -276,8 +279,7 @@ class ModelRunner:
         """A pool slot for forwards outside any request (load-time checks, benchmarks), given back
         afterwards; feed it with forward_drafts."""
         owner = _Probe(0)
-        if self.pool.layout is None:
-            self.pool.layout = self.kv_layout
+        self._lay_out_pool()
         slot = self.pool.admit(owner, used=self.held_entries())
         try:
             yield slot
@@ -342,8 +344,7 @@ class ModelRunner:
         function timing one forward of a chain of `rows` rows after `context` entries (None when
         the pool has no room), and gives the slot back."""
         probe = _Probe(length)
-        if self.pool.layout is None:
-            self.pool.layout = self.kv_layout
+        self._lay_out_pool()
         try:
             slot = self.pool.admit(probe, used=self.held_entries())
         except RuntimeError:  # KVCacheFull: the requests running hold the pool
