@@ -22,7 +22,10 @@ timers: each matrix kind, attention, norms/RoPE/SiLU/quantisation, hand-offs bet
 for the lean stack its matrices timed alone and the rest; the LM head as the forwards call it
 (its weights streamed from memory); what the model's Python forward adds around the stack; and,
 per plain decoding step of the decoder (one stream), the work outside the forward (planning,
-verification, sampling, the pool).
+verification, sampling, the pool). On the fused stack, also its steps at q = 1, 4, 8 and 16 beside
+the floors of its matrices and of its attention (each the larger of what it must read over the
+bandwidth and what it must compute over the peak), so the part furthest from its floor shows as
+the tree widens.
 
     python -m bench roofline --threads 2
     scripts/as_avx2.sh .venv/bin/python -m bench roofline --variants avx2
@@ -49,6 +52,7 @@ from lookahead.runtime.decoder import LookaheadDecoder
 from .forward_cost import prefilled_decoder
 
 NEW_TOKENS = (1, 2, 4, 8, 16, 32, 64)
+STACK_WIDTHS = (1, 4, 8, 16)  # widths whose layer stack is taken apart step by step
 KERNELS = ("packed", "integer")
 BANDWIDTH_BYTES = 512 * 1024 * 1024  # far beyond any cache
 
@@ -138,23 +142,41 @@ class Traffic:
 
 
 def traffic(model: Any, q: int, cached: int) -> Traffic:
+    matrices = matrix_traffic(model, q)
+    attention = attention_traffic(model.config, q, cached)
+    return Traffic(
+        matrices.weight_bytes,
+        attention.kv_bytes,
+        matrices.int8_ops,
+        matrices.fp32_ops + attention.fp32_ops,
+    )
+
+
+def matrix_traffic(module: Any, q: int) -> Traffic:
+    """The packed matrices under `module`: their weights streamed once, their multiply-adds."""
     from lookahead.cpu.packed_linear import PackedWeights
 
     weight_bytes = int8_ops = fp32_ops = 0
-    for module in model.modules():
-        if isinstance(module, PackedWeights):
-            weight_bytes += module.streamed_bytes()
-            ops = 2 * q * module.in_features * module.out_features
-            if module.activations == "int8":
+    for matrix in module.modules():
+        if isinstance(matrix, PackedWeights):
+            weight_bytes += matrix.streamed_bytes()
+            ops = 2 * q * matrix.in_features * matrix.out_features
+            if matrix.activations == "int8":
                 int8_ops += ops
             else:
                 fp32_ops += ops
-    config = model.config
+    return Traffic(weight_bytes, 0, int8_ops, fp32_ops)
+
+
+def attention_traffic(config: Any, q: int, cached: int) -> Traffic:
+    """Every layer's attention for q new tokens after `cached` entries: the KV entries read, and
+    q . k and p . v for every query head over all of them (an upper bound for a chain, whose
+    earlier rows see fewer)."""
     layers, heads = config.num_hidden_layers, config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     kv_bytes = layers * 2 * config.num_key_value_heads * head_dim * 4 * (cached + q)
-    fp32_ops += layers * 2 * 2 * q * heads * head_dim * (cached + q)  # q . k and p . v
-    return Traffic(weight_bytes, kv_bytes, int8_ops, fp32_ops)
+    fp32_ops = layers * 2 * 2 * q * heads * head_dim * (cached + q)
+    return Traffic(0, kv_bytes, 0, fp32_ops)
 
 
 def floors_ms(load: Traffic, peaks: Peaks, threads: int) -> tuple[float, float]:
@@ -164,6 +186,45 @@ def floors_ms(load: Traffic, peaks: Peaks, threads: int) -> tuple[float, float]:
         peaks.fma_gflop_s[threads] * 1e9
     )
     return memory * 1e3, compute * 1e3
+
+
+def stack_by_width(
+    decoder: LookaheadDecoder, cached: int, repeats: int, peaks: Peaks, threads: int
+) -> dict[int, dict[str, float]]:
+    """Per forward of q = STACK_WIDTHS tokens on the fused stack: ms in each of its steps (thread
+    0's timers), and the floors of its matrices and of its attention (each the larger of its
+    memory and compute floors). Empty for another stack."""
+    inner = decoder.model.model
+    stack = getattr(inner, "stack", None)
+    if type(stack).__name__ != "FusedStack":
+        return {}
+    result = {}
+    for q in STACK_WIDTHS:
+        for _ in range(2):
+            forward_seconds(decoder, q, cached)
+        stack.reset_step_times()
+        stack.profiling = True
+        for _ in range(repeats):
+            forward_seconds(decoder, q, cached)
+        stack.profiling = False
+        times = stack.step_times()
+        forwards = times.pop("forwards")
+        steps = {name: seconds / forwards * 1e3 for name, seconds in times.items()}
+        matrices = floors_ms(matrix_traffic(inner.layers, q), peaks, threads)
+        attention = floors_ms(attention_traffic(decoder.model.config, q, cached), peaks, threads)
+        steps["matrices' floor"] = max(matrices)
+        steps["attention's floor"] = max(attention)
+        result[q] = steps
+    return result
+
+
+def print_stack_by_width(table: dict[int, dict[str, float]]) -> None:
+    widths = list(table)
+    print("layer stack by width, ms (the fused stack's timers, thread 0; then two floors):")
+    print(f"  {'step':<28}" + "".join(f"{f'q={q}':>8}" for q in widths))
+    steps = sorted(table[widths[0]], key=lambda name: (name.endswith("floor"), -table[widths[-1]][name]))
+    for name in steps:
+        print(f"  {name:<28}" + "".join(f"{table[q][name]:8.2f}" for q in widths))
 
 
 def forward_seconds(decoder: LookaheadDecoder, q: int, cached: int) -> float:
@@ -386,7 +447,10 @@ def main(argv: list[str] | None = None) -> int:
         print("one-token forward, ms:")
         for name, ms in parts.items():
             print(f"  {name:<70} {ms:7.2f}")
-        report["paths"][f"{kernel}-{variant}"] = {"widths": rows, "breakdown": parts}
+        stack = stack_by_width(decoder, args.cached, args.repeats * 2, peaks[variant], args.threads)
+        if stack:
+            print_stack_by_width(stack)
+        report["paths"][f"{kernel}-{variant}"] = {"widths": rows, "breakdown": parts, "stack_by_width": stack}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))
     return 0
