@@ -85,7 +85,7 @@ def measure_peaks(variant: Any, threads: tuple[int, ...]) -> Peaks:
 
 
 IN_CACHE_SHAPE = (3072, 576)  # outputs, inputs: ~1 MB of int4, within L2
-IN_CACHE_ROWS = (1, 8, 16, 64)
+IN_CACHE_ROWS = (1, 4, 8, 16, 64)
 
 
 def in_cache_rates(variant: Any) -> dict[str, dict[int, float]]:
