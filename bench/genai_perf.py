@@ -44,11 +44,19 @@ from bench.servers import (
     server_url,
 )
 from launcher import FrontendError, TritonServerError, free_port, start_frontend
+from lookahead.config import LookaheadConfig
 
 GENAI_PERF = REPO_ROOT / ".venv-genai-perf" / "bin" / "genai-perf"
 PERF_ANALYZER = REPO_ROOT / "scripts" / "perf_analyzer.sh"
-# --quick: enough to see both models answer through genai-perf, short enough for a test.
-QUICK = {"concurrency": (1,), "request_count": 4, "input_tokens": 32, "output_tokens": 8}
+# --quick: enough to see both models answer through genai-perf, short enough for a test. Each request
+# wants more tokens than two lookahead steps can make (a step makes at most branch_length + 1), so
+# every request streams at least three responses and has inter-token latencies to report.
+QUICK = {
+    "concurrency": (1,),
+    "request_count": 4,
+    "input_tokens": 32,
+    "output_tokens": 2 * (LookaheadConfig().branch_length + 1) + 1,
+}
 _MODEL_PARAMETER = re.compile(r'\{\s*key:\s*"model",\s*value:\s*\{\s*string_value:\s*"([^"]*)"')
 
 
