@@ -202,20 +202,29 @@ def stack_by_width(
     for q in STACK_WIDTHS:
         for _ in range(2):
             forward_seconds(decoder, q, cached)
-        stack.reset_step_times()
-        stack.profiling = True
-        for _ in range(repeats):
-            forward_seconds(decoder, q, cached)
-        stack.profiling = False
-        times = stack.step_times()
-        forwards = times.pop("forwards")
-        steps = {name: seconds / forwards * 1e3 for name, seconds in times.items()}
+        _, steps = profiled_steps(
+            stack, lambda: [forward_seconds(decoder, q, cached) for _ in range(repeats)]
+        )
         matrices = floors_ms(matrix_traffic(inner.layers, q), peaks, threads)
         attention = floors_ms(attention_traffic(decoder.model.config, q, cached), peaks, threads)
         steps["matrices' floor"] = max(matrices)
         steps["attention's floor"] = max(attention)
         result[q] = steps
     return result
+
+
+def profiled_steps(stack: Any, run: Callable[[], Any]) -> tuple[Any, dict[str, float]]:
+    """run() with the fused stack's own timers on: what it returns, and the ms per forward the
+    stack's thread 0 spent in each of its steps meanwhile."""
+    stack.reset_step_times()
+    stack.profiling = True
+    try:
+        value = run()
+    finally:
+        stack.profiling = False
+    times = stack.step_times()
+    forwards = times.pop("forwards")
+    return value, {name: seconds / forwards * 1e3 for name, seconds in times.items()}
 
 
 def print_stack_by_width(table: dict[int, dict[str, float]]) -> None:
@@ -270,24 +279,22 @@ def breakdown(decoder: LookaheadDecoder, cached: int, repeats: int, steps: int) 
     if stack is not None:
         inner.stack = TimedCalls(stack)
     fused = type(stack).__name__ == "FusedStack"
-    if fused:
-        stack.reset_step_times()
-        stack.profiling = True
     head = decoder.runner.head_of_hidden
     # The head is timed inside the forwards: its weights come from memory there, not a warm cache.
     timed_head = None if head is None else TimedCalls(head)
     if timed_head is not None:
         decoder.runner.head_of_hidden = timed_head
-    total = median_ms(lambda: forward_seconds(decoder, 1, cached), repeats)
+
+    def measure() -> float:
+        return median_ms(lambda: forward_seconds(decoder, 1, cached), repeats)
+
+    total, step_ms = profiled_steps(stack, measure) if fused else (measure(), {})
     result["forward"] = total
     if stack is not None:
         result["layer stack"] = inner.stack.seconds / inner.stack.calls * 1e3
     if fused:
-        stack.profiling = False
-        times = stack.step_times()
-        forwards = times.pop("forwards")
-        for name, seconds in times.items():
-            result[f"  {name}"] = seconds / forwards * 1e3
+        for name, ms in step_ms.items():
+            result[f"  {name}"] = ms
     elif stack is not None:
         for kind, width in _matrix_inputs(inner.layers[0]).items():
             matrices = [_matrix(layer, kind) for layer in inner.layers]
