@@ -32,7 +32,9 @@ goes on below the tries' depth, alone.
 `hier` selects nodes best-first by that probability: the top nodes of a tree whose values never
 increase downwards form a connected subtree, and they maximise the expected accepted tokens for
 the budget. Children are enumerated from each trie's most recently used end, at most
-CHILD_LIMIT per node, so one query costs O(budget) however large the tries are.
+CHILD_LIMIT per node, so one query costs O(budget) however large the tries are. Where the fast
+CPU path is loaded, that search runs in its C++ twin (lookahead/cpu/csrc/draft_search.cpp),
+which selects the same nodes with the same probabilities bit for bit.
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ from .draft import (
     Draft,
     Evidence,
 )
-from .recycling import Recycles
+from .recycling import Recycles, RecycleTable
 from .spans import Copy
 from .trie import NO_NODE, NGramTrie
 
@@ -81,6 +83,19 @@ _Continuation = tuple[float, int, int, int, int, int]
 # Whether a request's grammar accepts a draft path (the tokens from below the root to a node).
 Admits = Callable[[tuple[int, ...]], bool]
 _NO_EVIDENCE = (NO_NODE, 0.0)
+# What the C++ search reads of a merged view: both tries' search views, the copy as (tokens,
+# matched, edits), the recycle table as (candidates, probabilities); None for an absent part.
+_SearchViews = tuple[tuple | None, tuple | None, tuple | None, tuple | None]
+# The C++ `_best_first`: search views, then the start node's and the search's numbers (see
+# _best_first) -> the selected nodes' fields (those of _Node), in selection order.
+NativeSearch = Callable[..., list[tuple]]
+_native_search: NativeSearch | None = None
+
+
+def use_native_search(search: NativeSearch | None) -> None:
+    """Run `_best_first` in `search` (the fast CPU path's C++ search), or in Python with None."""
+    global _native_search
+    _native_search = search
 
 
 class _MergedView:
@@ -98,6 +113,19 @@ class _MergedView:
         self.shared = shared
         self.copy = copy
         self.recycled = recycled
+
+    def search_views(self) -> _SearchViews | None:
+        """What the C++ search reads of this view; None where it cannot read it (a request's
+        private recycled rows live in a dict)."""
+        if self.recycled is not None and not isinstance(self.recycled, RecycleTable):
+            return None
+        copy = self.copy
+        return (
+            self.local.search_view() if self.local is not None else None,
+            self.shared.search_view() if self.shared is not None else None,
+            (copy.tokens, copy.matched, copy.edits) if copy is not None else None,
+            (self.recycled.candidates, self.recycled.probs) if self.recycled is not None else None,
+        )
 
     def match(self, query: Sequence[int]) -> tuple[int, int]:
         return (
@@ -287,6 +315,20 @@ def _best_first(
 ) -> list[_Node]:
     """The `budget` most probable nodes of the matched subtree (root included) of at least
     `min_prob` whose paths `admits` admits, in selection order."""
+    if _native_search is not None and admits is None and (views := view.search_views()) is not None:
+        rows = _native_search(
+            *views,
+            start.token,
+            start.local_node,
+            start.shared_node,
+            start.copy_index,
+            query_len,
+            budget,
+            depth_limit,
+            min_prob,
+            stop_tokens,
+        )
+        return list(map(_Node._make, rows))
     selected: list[_Node] = []
     paths: list[tuple[int, ...]] = []  # with `admits`: each selected node's tokens from below the root
     # (-probability, push order, parent index, depth, continuation): a child becomes a node only

@@ -376,6 +376,11 @@ class NGramTrie:
     def count(self, node: int) -> float:
         return self._count[node]
 
+    def search_view(self) -> tuple[array, array, array, array, array, dict[int, int]]:
+        """The columns and the index the fast CPU path's draft search reads (retrieval.py):
+        token, count, first_child, next_sibling, indexed, and the (parent << 32 | token) index."""
+        return self._token, self._count, self._first_child, self._next_sibling, self._indexed, self._index
+
     def age(self, node: int) -> int:
         """Tokens taken in since `node`'s n-gram was last counted (recency ticks)."""
         return self._tick - self._last_touched[node]

@@ -21,6 +21,7 @@ from types import ModuleType
 
 import torch
 
+from ..algorithm import retrieval
 from ..cache_dirs import kernels_dir
 from ..runtime import recycling
 
@@ -123,9 +124,10 @@ def variant_named(name: str) -> Variant:
 @cache
 def load_extension(variant: Variant) -> ModuleType:
     """Compile (first time, ~1 min) or load one variant of the extension; from then on the
-    runtime's recycling takes its top candidates from it."""
+    runtime's recycling takes its top candidates from it and retrieval runs its draft search."""
     module = _build_or_load(variant)
     recycling.use_cpu_kernel(module.top_candidates)
+    retrieval.use_native_search(module.best_first_draft)
     return module
 
 

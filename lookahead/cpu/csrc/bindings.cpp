@@ -1,8 +1,11 @@
 // The Python module of the fast CPU path (lookahead/cpu/extension.py builds one per variant):
 // packed matrices, lean layers, the pool step of the layer stacks, the roofline probes, the top
-// candidates of logits.
+// candidates of logits, the draft search.
 #include <map>
+#include <set>
+#include <tuple>
 
+#include "draft_search.h"
 #include "fused_stack.h"
 #include "lean_layer.h"
 #include "roofline.h"
@@ -35,6 +38,60 @@ std::optional<RmsNorm> optional_norm(const std::optional<NormWeights>& norm) {
   return RmsNorm{norm->first, norm->second};
 }
 
+// Column `at` of a search view, checked to hold `T`s in the given buffer format.
+template <typename T>
+const T* column(const pybind11::tuple& view, size_t at, char format, std::vector<pybind11::buffer_info>& held) {
+  held.push_back(view[at].cast<pybind11::buffer>().request());
+  const pybind11::buffer_info& info = held.back();
+  TORCH_CHECK(info.itemsize == sizeof(T) && !info.format.empty() && info.format.back() == format,
+              "search view column ", at, " holds format ", info.format, ", expected ", format);
+  return static_cast<const T*>(info.ptr);
+}
+
+// NGramTrie.search_view(): (token, count, first_child, next_sibling, indexed, index).
+TrieColumns trie_columns(const std::optional<pybind11::tuple>& view, std::vector<pybind11::buffer_info>& held) {
+  if (!view) return {};
+  TORCH_CHECK(view->size() == 6, "a trie's search view has 6 parts, got ", view->size());
+  const pybind11::object index = (*view)[5];
+  TORCH_CHECK(PyDict_Check(index.ptr()), "a trie's index is a dict");
+  return {column<int32_t>(*view, 0, 'i', held), column<float>(*view, 1, 'f', held),
+          column<int32_t>(*view, 2, 'i', held), column<int32_t>(*view, 3, 'i', held),
+          column<int8_t>(*view, 4, 'b', held),  index.ptr()};
+}
+
+// The recycle table's (candidates [V, k] int32, probabilities [V, k] float16), C-contiguous.
+RecycledRows recycled_rows(const std::optional<pybind11::tuple>& table, std::vector<pybind11::buffer_info>& held) {
+  if (!table) return {};
+  TORCH_CHECK(table->size() == 2, "a recycle table is (candidates, probabilities)");
+  const int32_t* candidates = column<int32_t>(*table, 0, 'i', held);
+  const std::vector<pybind11::ssize_t> shape = held.back().shape, strides = held.back().strides;
+  const uint16_t* probs = column<uint16_t>(*table, 1, 'e', held);
+  const pybind11::buffer_info& p = held.back();
+  TORCH_CHECK(shape.size() == 2 && p.shape == shape && strides[1] == 4 && strides[0] == 4 * shape[1] &&
+                  p.strides[1] == 2 && p.strides[0] == 2 * shape[1],
+              "recycled candidates and probabilities must be C-contiguous [V, k] arrays of one shape");
+  return {candidates, probs, shape[0], shape[1]};
+}
+
+pybind11::list search_draft(const std::optional<pybind11::tuple>& local, const std::optional<pybind11::tuple>& shared,
+                            const std::optional<CopyDraft>& copy, const std::optional<pybind11::tuple>& recycled,
+                            const SearchStart& start, const std::set<int64_t>& stop_tokens) {
+  std::vector<pybind11::buffer_info> held;  // keeps every column exported (unresizable) during the search
+  held.reserve(12);
+  const TrieColumns local_columns = trie_columns(local, held);
+  const TrieColumns shared_columns = trie_columns(shared, held);
+  const RecycledRows rows = recycled_rows(recycled, held);
+  const std::vector<DraftNode> nodes =
+      best_first_draft(local_columns, shared_columns, copy ? &*copy : nullptr, rows, start, stop_tokens);
+  pybind11::list found(nodes.size());
+  for (size_t i = 0; i < nodes.size(); ++i) {
+    const DraftNode& n = nodes[i];
+    found[i] = pybind11::make_tuple(n.token, n.parent, n.prob, n.local_node, n.shared_node, n.depth, n.copy_index,
+                                    n.recycled);
+  }
+  return found;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
@@ -49,6 +106,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("int8_dot_peak", &int8_dot_peak, "int8 dot-product operations per second", ReleaseGil());
   module.def("top_candidates", &top_candidates, "rows [R, V], k -> (values [R, k], indices [R, k], log-sum-exp [R])",
              pybind11::arg("rows"), pybind11::arg("k"), ReleaseGil());
+  // Reads Python objects (the tries' columns and index): it keeps the GIL.
+  module.def(
+      "best_first_draft",
+      [](std::optional<pybind11::tuple> local, std::optional<pybind11::tuple> shared,
+         std::optional<std::tuple<std::vector<int64_t>, int64_t, std::map<int64_t, int64_t>>> copy,
+         std::optional<pybind11::tuple> recycled, int64_t root, int64_t local_node, int64_t shared_node,
+         int64_t copy_index, int64_t query_len, int64_t budget, int64_t depth_limit, double min_prob,
+         std::set<int64_t> stop_tokens) {
+        std::optional<CopyDraft> draft;
+        if (copy) draft = CopyDraft{std::get<0>(*copy), std::get<1>(*copy), std::get<2>(*copy)};
+        const SearchStart start{root, local_node, shared_node, copy_index, query_len, budget, depth_limit, min_prob};
+        return search_draft(local, shared, draft, recycled, start, stop_tokens);
+      },
+      "retrieval._best_first over search views -> the selected nodes' fields, in selection order");
   pybind11::class_<PackedMatrix>(module, "PackedMatrix", pybind11::module_local())
       .def(pybind11::init(&packed_matrix), pybind11::arg("form"), pybind11::arg("weights"), pybind11::arg("d"),
            pybind11::arg("m"), pybind11::arg("bias"), pybind11::arg("N"), pybind11::arg("activations") = "fp32",

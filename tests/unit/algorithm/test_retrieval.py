@@ -1,16 +1,31 @@
-"""retrieve_draft: reference test vectors, the reference's defects, draft invariants, adversarial input."""
+"""retrieve_draft: reference test vectors, the reference's defects, draft invariants, adversarial input.
+
+Every test runs twice: with retrieval's Python search and with the fast CPU path's C++ search."""
 
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
 
 import pytest
 
+from lookahead.algorithm import retrieval
 from lookahead.algorithm.draft import Draft
 from lookahead.algorithm.retrieval import retrieve_draft
 from lookahead.algorithm.spans import Copy
 from lookahead.algorithm.trie import NO_NODE, NGramTrie
 from lookahead.config import DECODING_MODES
+from lookahead.cpu.extension import chosen_variant, load_extension
+
+
+@pytest.fixture(autouse=True, params=["python search", "extension search"])
+def search(request: pytest.FixtureRequest) -> Iterator[None]:
+    """The search the test's drafts come from; the one in use before is restored afterwards."""
+    before = retrieval._native_search
+    native = request.param == "extension search"
+    retrieval.use_native_search(load_extension(chosen_variant()).best_first_draft if native else None)
+    yield
+    retrieval.use_native_search(before)
 
 
 def trie_of(*sequences: list[int], max_depth: int = 8, capacity: int = 10_000) -> NGramTrie:
