@@ -276,7 +276,7 @@ def retrieve_draft(
     if depth_limit <= 0 or (local is None and shared is None and copy is None and recycled is None):
         return Draft.root_only(root)
     view = _MergedView(local, shared, copy, recycled)
-    best = Draft.root_only(root)
+    best: tuple[list[_Node], int] | None = None  # (nodes, query length) of the best draft so far
     best_value = 1.0
     previous_counts = None
     for query_len in range(min(max_query_length, len(context)), 0, -1):
@@ -299,8 +299,10 @@ def retrieve_draft(
             )
         value = sum(node.prob for node in nodes)
         if value > best_value:
-            best, best_value = _layout(nodes, mode, decoding_length, view, query_len), value
-    return best
+            best, best_value = (nodes, query_len), value
+    if best is None:
+        return Draft.root_only(root)
+    return _layout(best[0], mode, decoding_length, view, best[1])
 
 
 def _best_first(
