@@ -74,7 +74,7 @@ def source_of(origins: int) -> int:
 
 
 _SOURCE = np.array([source_of(bits) for bits in range(ORIGIN_BITS)], dtype=np.int64)
-_BITS = np.array([[bits >> k & 1 for k in range(7)] for bits in range(ORIGIN_BITS)], dtype=bool)
+_BITS = np.array([[bits >> k & 1 for k in range(7)] for bits in range(ORIGIN_BITS)], dtype=np.float64)
 
 # Bucket edges of each feature (a value v falls in bucket searchsorted(edges, v, "right")).
 MATCHED_EDGES = np.array([2, 3, 4, 5, 7, 10, 16, 32, 64])
@@ -160,10 +160,27 @@ def features(draft: Draft) -> Features:
         columns,
         _START["slope"] + source,
         log_odds,
-        _BITS[origins].astype(np.float64),
+        _BITS[origins],
         source,
         parents,
         conditional,
+    )
+
+
+def _rows_of(found: Features, keep: list[int], size: int) -> Features:
+    """`features(draft.subset(keep))` from `found = features(draft)` (len(draft) == size): a node's
+    features depend on its own path and evidence alone, which a subset keeps."""
+    rows = np.asarray(keep[1:], dtype=np.int64) - 1
+    position = np.zeros(size, dtype=np.int64)
+    position[keep] = np.arange(len(keep))
+    return Features(
+        found.columns[rows],
+        found.slope[rows],
+        found.log_odds[rows],
+        found.bits[rows],
+        found.source[rows],
+        position[found.parents[rows]],
+        found.conditional[rows],
     )
 
 
@@ -206,16 +223,13 @@ class AcceptancePredictor:
         if not mask.any():
             return
         columns, slope, bits = found.columns[mask], found.slope[mask], found.bits[mask]
-        gradients = [
-            (columns.ravel(), np.repeat(errors, ONE_HOTS)),
-            (slope, errors * found.log_odds[mask]),
-            (_BIT_COLUMNS, errors @ bits),
-        ]
-        counts = [columns.ravel(), slope, _BIT_COLUMNS[bits.any(axis=0)]]
-        for (index, gradient), counted in zip(gradients, counts):
-            step = np.maximum(LEARNING_RATE / np.sqrt(1.0 + self.seen[index]), LEARNING_FLOOR)
-            np.add.at(self.weights, index, step * gradient)
-            np.add.at(self.seen, counted, 1.0)
+        # The three blocks' weights are distinct, so each step is the one its weight's count gives.
+        index = np.concatenate([columns.ravel(), slope, _BIT_COLUMNS])
+        gradient = np.concatenate([np.repeat(errors, ONE_HOTS), errors * found.log_odds[mask], errors @ bits])
+        step = np.maximum(LEARNING_RATE / np.sqrt(1.0 + self.seen[index]), LEARNING_FLOOR)
+        self.weights += np.bincount(index, step * gradient, minlength=WEIGHTS)
+        counted = np.concatenate([columns.ravel(), slope, _BIT_COLUMNS[bits.any(axis=0)]])
+        self.seen += np.bincount(counted, minlength=WEIGHTS)
         np.minimum(self.seen, MAX_SEEN, out=self.seen)
 
 
@@ -231,9 +245,17 @@ class RequestAcceptance:
         self._planned: tuple[Draft, Features] | None = None
 
     def _features(self, draft: Draft) -> Features:
-        if self._planned is None or self._planned[0] is not draft:
-            self._planned = (draft, features(draft))
-        return self._planned[1]
+        """The draft's features; those of the plan's subset of the draft last planned are its rows."""
+        planned = self._planned
+        if planned is not None and planned[0] is draft:
+            return planned[1]
+        source = draft.subset_of
+        if planned is not None and source is not None and source[0] is planned[0]:
+            found = _rows_of(planned[1], source[1], len(planned[0]))
+        else:
+            found = features(draft)
+        self._planned = (draft, found)
+        return found
 
     def conditionals(self, draft: Draft, found: Features | None = None) -> np.ndarray:
         """[len(draft) - 1] each non-root node's chance of acceptance once its parent is accepted;
@@ -264,5 +286,5 @@ class RequestAcceptance:
         errors = accepted[mask] - self.predictor.probabilities(found, self.offsets)[mask]
         if self.teaches:
             self.predictor.learn(found, mask, errors)
-        np.add.at(self.offsets, found.source[mask], REQUEST_RATE * errors)
+        self.offsets += np.bincount(found.source[mask], REQUEST_RATE * errors, minlength=_S)
         np.clip(self.offsets, -OFFSET_LIMIT, OFFSET_LIMIT, out=self.offsets)

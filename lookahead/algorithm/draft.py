@@ -61,6 +61,8 @@ class Draft:
     origins: list[int] = field(default_factory=list)
     # Per node (root: NO_EVIDENCE): what the acceptance predictor reads besides probs and origins.
     evidence: list[Evidence] = field(default_factory=list)
+    # (draft, kept nodes) of a draft made by `subset`, whose features acceptance.py reuses.
+    subset_of: tuple[Draft, list[int]] | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if not self.probs:
@@ -133,6 +135,7 @@ class Draft:
             [self.probs[i] for i in keep],
             [self.origins[i] for i in keep],
             [self.evidence[i] for i in keep],
+            (self, keep),
         )
 
     def origin_counts(self) -> dict[str, int]:

@@ -209,6 +209,40 @@ def test_a_planned_drafts_features_serve_its_verdict_and_a_new_draft_gets_its_ow
     assert view.calibrated(other) == alone.calibrated(other)  # never another draft's features
 
 
+def test_the_plans_subset_of_a_draft_reads_the_features_of_its_rows() -> None:
+    """What the planner keeps of a draft is verified: its features come from the planned draft's
+    rows, equal to features computed afresh, and they differ from the whole draft's."""
+    rng = random.Random(5)
+    partial = 0
+    for _ in range(200):
+        size = rng.randint(2, 30)
+        parents = [-1] + [rng.randrange(i) for i in range(1, size)]
+        probs = [1.0]
+        for parent in parents[1:]:
+            probs.append(probs[parent] * rng.uniform(0.05, 1.0))
+        origins = [0] + [rng.randrange(128) for _ in range(size - 1)]
+        evidence = [Evidence()] + [
+            Evidence(rng.randint(1, 70), rng.uniform(0, 80), rng.randint(-1, 70_000), rng.randint(0, 4))
+            for _ in range(size - 1)
+        ]
+        draft = Draft(list(range(size)), parents, probs, origins, evidence)
+        kept = {0}
+        for node in range(1, size):  # closed under parents, as the planner keeps nodes
+            if parents[node] in kept and rng.random() < 0.6:
+                kept.add(node)
+        if len(kept) < 2:  # a bare root has no features: nothing is planned or verified
+            continue
+        partial += len(kept) < size
+        subset = draft.subset(sorted(kept))
+        view = AcceptancePredictor().for_request()
+        view.calibrated(draft)
+        reused = view._features(subset)
+        fresh = features(subset)
+        for name, value in fresh._asdict().items():
+            assert np.array_equal(getattr(reused, name), value), name
+    assert partial > 100
+
+
 def test_a_view_that_does_not_teach_learns_only_its_own_offsets() -> None:
     """A request with `learn` off reads the instance's weights and leaves them as they were."""
     rng = random.Random(3)
