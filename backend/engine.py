@@ -13,6 +13,7 @@ fleet's stream), so neither ever sees a half-applied step.
 from __future__ import annotations
 
 import queue
+import sys
 import threading
 import time
 import traceback
@@ -42,6 +43,10 @@ QUEUE_TIMEOUT = (
 )
 ENGINE_FAILED = "the engine thread failed ({error}); the model must be reloaded (see the server log)"
 # Errors after which the device cannot be trusted for anyone: the engine stops (vLLM's health check).
+# The engine thread lets go of the GIL in every torch call and in many small numpy ones; the
+# response thread may take it there, and the engine gets it back when that thread blocks (its
+# send) or once the switch interval has passed. A short interval bounds that wait.
+ENGINE_SWITCH_INTERVAL_S = 0.0005
 _WAKE = object()  # in the inbox: the engine thread looks at `unloading` at once, even while idle
 FATAL_ERRORS: tuple[type[BaseException], ...] = (torch.AcceleratorError,)
 
@@ -182,6 +187,7 @@ class Engine:
         self.thread = threading.Thread(target=self._run, name="lookahead-engine", daemon=True)
 
     def start(self) -> None:
+        sys.setswitchinterval(ENGINE_SWITCH_INTERVAL_S)  # the stub process serves this model alone
         self.thread.start()
 
     @property

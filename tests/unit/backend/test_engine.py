@@ -3,6 +3,7 @@ unload and trie snapshots, with a scripted decoder, without Triton."""
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from dataclasses import replace
@@ -11,6 +12,7 @@ import pytest
 import torch
 
 from backend.engine import (
+    ENGINE_SWITCH_INTERVAL_S,
     QUEUE_FULL,
     SHUTDOWN_MESSAGE,
     Engine,
@@ -514,3 +516,16 @@ def test_a_request_is_validated_once_and_each_step_is_timed_by_part():
             "wait",
         }
         assert sum(parts.values()) == pytest.approx(times.wall) and times.wall > 0
+
+
+def test_a_started_engine_bounds_how_long_its_thread_waits_for_the_gil() -> None:
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(0.005)  # Python's default
+    recorder = Recorder()
+    engine = Engine(ScriptedDecoder({}), recorder.emit, recorder)
+    try:
+        engine.start()
+        assert sys.getswitchinterval() == ENGINE_SWITCH_INTERVAL_S < 0.005
+    finally:
+        engine.stop()
+        sys.setswitchinterval(before)
