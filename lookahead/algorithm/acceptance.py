@@ -167,11 +167,11 @@ def features(draft: Draft) -> Features:
     )
 
 
-def _rows_of(found: Features, keep: list[int], size: int) -> Features:
-    """`features(draft.subset(keep))` from `found = features(draft)` (len(draft) == size): a node's
-    features depend on its own path and evidence alone, which a subset keeps."""
+def _rows_of(found: Features, keep: list[int]) -> Features:
+    """`features(draft.subset(keep))` from `found = features(draft)`: a node's features depend on
+    its own path and evidence alone, which a subset keeps."""
     rows = np.asarray(keep[1:], dtype=np.int64) - 1
-    position = np.zeros(size, dtype=np.int64)
+    position = np.zeros(len(found.parents) + 1, dtype=np.int64)  # the draft's nodes, root included
     position[keep] = np.arange(len(keep))
     return Features(
         found.columns[rows],
@@ -251,7 +251,7 @@ class RequestAcceptance:
             return planned[1]
         source = draft.subset_of
         if planned is not None and source is not None and source[0] is planned[0]:
-            found = _rows_of(planned[1], source[1], len(planned[0]))
+            found = _rows_of(planned[1], source[1])
         else:
             found = features(draft)
         self._planned = (draft, found)

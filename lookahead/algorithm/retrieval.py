@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Callable, Sequence
+from functools import cached_property
 from typing import NamedTuple
 
 from ..config import DECODING_MODES
@@ -114,9 +115,10 @@ class _MergedView:
         self.copy = copy
         self.recycled = recycled
 
+    @cached_property
     def search_views(self) -> _SearchViews | None:
-        """What the C++ search reads of this view; None where it cannot read it (a request's
-        private recycled rows live in a dict)."""
+        """What the C++ search reads of this view, once for all its queries; None where it cannot
+        read it (a request's private recycled rows live in a dict)."""
         if self.recycled is not None and not isinstance(self.recycled, RecycleTable):
             return None
         copy = self.copy
@@ -317,7 +319,7 @@ def _best_first(
 ) -> list[_Node]:
     """The `budget` most probable nodes of the matched subtree (root included) of at least
     `min_prob` whose paths `admits` admits, in selection order."""
-    if _native_search is not None and admits is None and (views := view.search_views()) is not None:
+    if _native_search is not None and admits is None and (views := view.search_views) is not None:
         rows = _native_search(
             *views,
             start.token,
