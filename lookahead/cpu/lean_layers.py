@@ -97,6 +97,9 @@ LEAN_CLASSES: dict[type, type] = {
 }
 
 
+# What a step whose rows carry their own visibility lists passes the fused stack for a mask.
+_NO_MASK = torch.empty(0)
+
 # Inner models that LeanLlamaModel stands in for, when every layer takes the same mask.
 ONE_MASK_MODELS = (LlamaModel, MistralModel, Qwen2Model, Qwen3Model)
 
@@ -117,6 +120,9 @@ class LeanLlamaModel(nn.Module):
         self.embed_tokens, self.layers, self.norm = stock.embed_tokens, stock.layers, stock.norm
         self.rotary_emb = stock.rotary_emb
         self.stack = extension.LeanStack([layer.lean for layer in stock.layers])
+        # Whether the stack reads each row's visible entries from a ragged step's own lists
+        # (kv_pool.PoolStep.own_offsets), so that the step needs no attention mask: the fused one does.
+        self.reads_row_lists = False
         self.pool_step = extension.PoolStep
         self._stock = (stock,)  # a tuple keeps it out of the module tree: its modules are ours
 
@@ -155,7 +161,9 @@ class LeanLlamaModel(nn.Module):
             position_ids = (torch.arange(hidden_states.shape[1], device=hidden_states.device) + past)[None]
         if isinstance(attention_mask, dict):  # the decoder's masks by layer type: all of one type here
             (attention_mask,) = attention_mask.values()
-        if attention_mask is not None and attention_mask.dim() == 4:
+        if isinstance(cache, StepCache) and cache.step.own_offsets is not None:
+            mask = _NO_MASK  # the fused stack reads what each row sees from the step itself
+        elif attention_mask is not None and attention_mask.dim() == 4:
             mask = attention_mask  # what create_causal_mask returns for a prepared mask, without its work
         else:
             mask = create_causal_mask(
@@ -222,6 +230,7 @@ def use_fused_stack(lean: LeanLlamaModel, extension: ModuleType) -> bool:
     if float((got - expected).norm() / expected.norm()) > FUSED_TOLERANCE:
         return False
     lean.stack = fused
+    lean.reads_row_lists = True
     return True
 
 

@@ -39,17 +39,30 @@ class PoolStep:
     :, positions] and attention reads slots [0, k) up to `read_length`. transformers' layers apply
     it through `write_and_read`; the fast CPU path's C++ layer stack (lookahead/cpu) applies the
     same object itself, and the tests hold the two to the same bits.
+
+    A ragged step may also carry which of its segment's own tokens each row sees
+    (`own_offsets`, `own_columns`: step_inputs.own_visibility). The fused C++ stack then reads
+    each row's visible entries from these lists and needs no attention mask.
     """
 
     segments: torch.Tensor | None
     slots: torch.Tensor | None
     positions: torch.Tensor | None
     read_length: int
+    own_offsets: torch.Tensor | None = None
+    own_columns: torch.Tensor | None = None
 
     @classmethod
-    def ragged(cls, slots: Sequence[int], starts: Sequence[int], widths: Sequence[int]) -> PoolStep:
+    def ragged(
+        cls,
+        slots: Sequence[int],
+        starts: Sequence[int],
+        widths: Sequence[int],
+        own: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> PoolStep:
         rows = torch.tensor([list(row) for row in zip(slots, starts, widths)], dtype=torch.long)
-        return cls(rows, None, None, max(s + w for s, w in zip(starts, widths)))
+        offsets, columns = own if own is not None else (None, None)
+        return cls(rows, None, None, max(s + w for s, w in zip(starts, widths)), offsets, columns)
 
     @classmethod
     def batched(cls, starts: Sequence[int], width: int, device: torch.device) -> PoolStep:
@@ -115,7 +128,8 @@ class StepCache(Cache):
         """The step as `step_type` (the fast CPU path's PoolStep), built once for all layers."""
         if step_type not in self.twins:
             step = self.step
-            self.twins[step_type] = step_type(step.segments, step.slots, step.positions, step.read_length)
+            where = (step.segments, step.slots, step.positions, step.read_length)
+            self.twins[step_type] = step_type(*where, step.own_offsets, step.own_columns)
         return self.twins[step_type]
 
 

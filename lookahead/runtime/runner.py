@@ -25,7 +25,15 @@ from .generation import Generation
 from .kv_pool import INITIAL_LENGTH, KVCacheFull, KVLayout, KVPool, PoolStep, accepted_moves, footprint, pow2
 from .output_layer import plain_output_layer
 from .prefix_cache import PrefixCache
-from .step_inputs import AttentionMasks, Segment, decode_inputs, ragged_inputs, to_device
+from .step_inputs import (
+    AttentionMasks,
+    Segment,
+    decode_inputs,
+    own_visibility,
+    ragged_inputs,
+    ragged_tokens,
+    to_device,
+)
 
 # Prompt positions whose logits exist at once when prompt logprobs are scored (rows x vocab floats).
 SCORED_ROWS = 256
@@ -211,14 +219,19 @@ class ModelRunner:
         segments = [work.segment for work in works]
         if len(segments) > 1 and all(s.width == 1 and s.draft is not None for s in segments):
             return self._forward_batched(works)
-        ids, positions, mask = ragged_inputs(segments, self.masks)
-        step = PoolStep.ragged(
-            [s.slot for s in segments], [s.start for s in segments], [s.width for s in segments]
-        )
+        slots, starts = [s.slot for s in segments], [s.start for s in segments]
+        widths = [s.width for s in segments]
+        if self.reads_row_lists:  # what each row sees goes with the step: no [N, sum of reads] mask
+            ids, positions = ragged_tokens(segments)
+            mask = None
+            step = PoolStep.ragged(slots, starts, widths, own_visibility(segments))
+        else:
+            ids, positions, mask = ragged_inputs(segments, self.masks)
+            step = PoolStep.ragged(slots, starts, widths)
         inputs = {
             "input_ids": ids.to(self.device),
             "position_ids": positions.to(self.device),
-            "attention_mask": to_device(mask, self.device),
+            "attention_mask": None if mask is None else to_device(mask, self.device),
             "cache": self.pool.step_cache(step, max(s.start for s in segments)),
             "use_cache": True,
         }
@@ -247,6 +260,12 @@ class ModelRunner:
             return results
         logits = iter(head(torch.cat(drafted)).split([len(rows) for rows in drafted]))
         return [next(logits) if rows is not None else None for rows in results]
+
+    @property
+    def reads_row_lists(self) -> bool:
+        """Whether the model's layer stack reads a ragged step's rows' own lists instead of a mask
+        (the fused CPU stack), and no layer limits attention to a window the lists do not say."""
+        return getattr(self.inner, "reads_row_lists", False) and self.masks.windows_unused
 
     def _forward_batched(self, works: list[Work]) -> list[torch.Tensor | None]:
         """Plain decoding of k requests as a [k, 1] block, their slots arranged to 0..k-1."""

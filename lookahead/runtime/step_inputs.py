@@ -61,6 +61,11 @@ class AttentionMasks:
         else:
             self.windows = {None: window if isinstance(window, int) and window > 0 else None}
 
+    @property
+    def windows_unused(self) -> bool:
+        """Whether every layer sees its whole prefix (no sliding window anywhere)."""
+        return all(window is None for window in self.windows.values())
+
     def build(
         self, visible: torch.Tensor, query_positions: torch.Tensor, key_positions: torch.Tensor
     ) -> Mask:
@@ -149,13 +154,36 @@ class Segment:
         return visible
 
 
+def ragged_tokens(segments: list[Segment]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids [1, N], position ids [1, N]) of the segments fed as one row."""
+    ids = torch.tensor([token for segment in segments for token in segment.tokens])
+    positions = np.concatenate([segment.positions() for segment in segments])
+    return ids[None], torch.from_numpy(positions)[None]
+
+
+def own_visibility(segments: list[Segment]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Which of its own segment's tokens each row of a ragged step sees, as lists: row r sees the
+    columns columns[offsets[r]:offsets[r + 1]] of its segment, in order (int32 [N + 1] and
+    int32). With its slot's first `start` entries, that is everything it attends to, so a stack
+    that reads these lists needs no [N, sum(start + width)] mask."""
+    offsets, columns = [np.zeros(1, dtype=np.int32)], []
+    seen = 0
+    for segment in segments:
+        rows, cols = np.nonzero(segment.visibility())
+        counts = np.bincount(rows, minlength=segment.width)
+        offsets.append(seen + np.cumsum(counts, dtype=np.int64).astype(np.int32))
+        seen += len(cols)
+        columns.append(cols.astype(np.int32))
+    return torch.from_numpy(np.concatenate(offsets)), torch.from_numpy(np.concatenate(columns))
+
+
 def ragged_inputs(segments: list[Segment], masks: AttentionMasks) -> tuple[torch.Tensor, torch.Tensor, Mask]:
     """(ids [1, N], position ids [1, N], additive mask(s) [1, 1, N, sum(start + width)]) of the
     segments fed as one row; segment i reads its slot's first start + width entries, laid side
     by side in segment order."""
     widths = [segment.width for segment in segments]
     reads = [segment.start + segment.width for segment in segments]
-    ids = torch.tensor([token for segment in segments for token in segment.tokens])
+    ids, query_positions = ragged_tokens(segments)
     positions = [segment.positions() for segment in segments]
     visible = np.zeros((sum(widths), sum(reads)), dtype=np.bool_)
     row = column = 0
@@ -166,8 +194,7 @@ def ragged_inputs(segments: list[Segment], masks: AttentionMasks) -> tuple[torch
     key_positions = np.concatenate(
         [part for segment, own in zip(segments, positions) for part in (np.arange(segment.start), own)]
     )
-    query_positions = torch.from_numpy(np.concatenate(positions))[None]
     mask = masks.build(
         torch.from_numpy(visible)[None], query_positions, torch.from_numpy(key_positions)[None]
     )
-    return ids[None], query_positions, mask
+    return ids, query_positions, mask

@@ -143,10 +143,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
       .def("finish", &LeanLayer::finish, ReleaseGil());
   pybind11::class_<PoolStep>(module, "PoolStep", pybind11::module_local())
       .def(pybind11::init([](std::optional<torch::Tensor> segments, std::optional<torch::Tensor> slots,
-                             std::optional<torch::Tensor> positions, int64_t read_length) {
-             return PoolStep{segments, slots, positions, read_length};
+                             std::optional<torch::Tensor> positions, int64_t read_length,
+                             std::optional<torch::Tensor> own_offsets, std::optional<torch::Tensor> own_columns) {
+             return PoolStep{segments, slots, positions, read_length, own_offsets, own_columns};
            }),
-           pybind11::arg("segments"), pybind11::arg("slots"), pybind11::arg("positions"), pybind11::arg("read_length"))
+           pybind11::arg("segments"), pybind11::arg("slots"), pybind11::arg("positions"), pybind11::arg("read_length"),
+           pybind11::arg("own_offsets") = pybind11::none(), pybind11::arg("own_columns") = pybind11::none())
       .def("write_and_read", &PoolStep::write_and_read, ReleaseGil());
   pybind11::class_<LeanStack>(module, "LeanStack", pybind11::module_local())
       .def(pybind11::init([](std::vector<LeanLayer> layers) { return LeanStack{std::move(layers)}; }))

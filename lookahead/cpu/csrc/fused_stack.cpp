@@ -8,6 +8,7 @@
 #include <cmath>
 #include <limits>
 #include <map>
+#include <numeric>
 
 #include "parallel.h"
 #include "simd.h"
@@ -17,14 +18,53 @@ namespace {
 constexpr int64_t kLanes = 16;
 using Clock = std::chrono::steady_clock;
 
-// Where a row of the forward writes its KV entries and which pool entries it may read.
+// Where a row of the forward writes its KV entries and which pool entries it may read: the zeros
+// of its mask row over the entries [0, keys) of its slot, or (no mask) the slot's first `start`
+// entries and then `own`, the columns of its segment it sees (entry start + column).
 struct RowPlan {
   int64_t slot, position;
-  const float* mask;  // the row's mask over the entries [0, keys) of its slot: 0 where visible
+  const float* mask;  // nullptr: `start` and `own`
   int64_t keys;
+  int64_t start = 0;
+  const int32_t* own = nullptr;
+  int64_t own_count = 0;
 };
 
+// A ragged step whose rows come with the lists of their segment's columns they see
+// (PoolStep::own_offsets and own_columns), checked here: each row's columns ascend within its
+// segment.
+std::vector<RowPlan> rows_from_lists(const PoolStep& step, int64_t B, int64_t L) {
+  TORCH_CHECK(B == 1, "a ragged step is one row of tokens");
+  TORCH_CHECK(step.own_columns.has_value(), "own_offsets comes with own_columns");
+  const torch::Tensor &offsets = *step.own_offsets, &columns = *step.own_columns;
+  for (const auto* list : {&offsets, &columns})
+    TORCH_CHECK(list->dim() == 1 && list->is_contiguous() && list->scalar_type() == torch::kInt32 &&
+                    list->device().is_cpu(),
+                "own_offsets and own_columns must be contiguous int32 vectors on the CPU");
+  TORCH_CHECK(offsets.numel() == L + 1, "own_offsets needs one more entry than the step has tokens");
+  const int32_t* bounds = offsets.data_ptr<int32_t>();
+  const int32_t* seen = columns.data_ptr<int32_t>();
+  TORCH_CHECK(bounds[0] == 0 && bounds[L] == columns.numel(), "own_offsets must span own_columns");
+  std::vector<RowPlan> rows;
+  int64_t offset = 0;
+  for (const auto& [slot, start, width] : step.segment_rows()) {
+    TORCH_CHECK(offset + width <= L, "the segments do not cover the step's tokens");
+    for (int64_t t = 0; t < width; ++t) {
+      const int64_t first = bounds[offset + t], last = bounds[offset + t + 1];
+      TORCH_CHECK(first <= last, "own_offsets must not decrease");
+      for (int64_t i = first; i < last; ++i)
+        TORCH_CHECK(seen[i] >= 0 && seen[i] < width && (i == first || seen[i] > seen[i - 1]),
+                    "a row's own columns must ascend within its segment");
+      rows.push_back({slot, start + t, nullptr, start + width, start, seen + first, last - first});
+    }
+    offset += width;
+  }
+  TORCH_CHECK(offset == L, "the segments do not cover the step's tokens");
+  return rows;
+}
+
 std::vector<RowPlan> plan_rows(const PoolStep& step, const torch::Tensor& mask, int64_t B, int64_t L) {
+  if (step.segments && step.own_offsets) return rows_from_lists(step, B, L);
   TORCH_CHECK(mask.dim() == 4 && mask.is_contiguous() && mask.scalar_type() == torch::kFloat32,
               "the mask must be a contiguous fp32 [B, 1, L, keys] tensor");
   const float* data = mask.data_ptr<float>();
@@ -85,7 +125,7 @@ void rotate(float* x, const float* cos, const float* sin, int64_t dim) {
 }
 
 // The pool entries each row of the step sees, found once per forward (every layer and head reads
-// them): the zeros of its mask row, in pool order, and how many of them lead as 0, 1, 2, ... (the
+// them): the zeros of its mask row or the entries its lists name, in pool order, and how many of them lead as 0, 1, 2, ... (the
 // committed history its tree shares with the other rows of its segment).
 struct Visibility {
   std::vector<int32_t> entries;
@@ -96,8 +136,15 @@ std::vector<Visibility> visible_entries(const std::vector<RowPlan>& rows) {
   std::vector<Visibility> visible(rows.size());
   for (size_t r = 0; r < rows.size(); ++r) {
     auto& [entries, prefix] = visible[r];
-    for (int64_t j = 0; j < rows[r].keys; ++j)
-      if (rows[r].mask[j] == 0.0f) entries.push_back(static_cast<int32_t>(j));
+    const RowPlan& row = rows[r];
+    if (row.mask == nullptr) {
+      entries.resize(row.start + row.own_count);
+      std::iota(entries.begin(), entries.begin() + row.start, 0);
+      for (int64_t i = 0; i < row.own_count; ++i) entries[row.start + i] = static_cast<int32_t>(row.start + row.own[i]);
+    } else {
+      for (int64_t j = 0; j < row.keys; ++j)
+        if (row.mask[j] == 0.0f) entries.push_back(static_cast<int32_t>(j));
+    }
     while (prefix < static_cast<int64_t>(entries.size()) && entries[prefix] == prefix) ++prefix;
   }
   return visible;

@@ -9,7 +9,7 @@
 // a row depends on that row and the entries it attends to alone:
 //
 // - norms, RoPE, SiLU and quantisation work row by row, in a fixed order;
-// - attention visits the keys a row may see (its mask row's zeros) in pool order and skips the
+// - attention visits the keys a row may see (its mask row's zeros, or its lists) in pool order and skips the
 //   others, so a draft node sees exactly what the same token sees in plain decoding;
 // - the matrices are the packed kernels, whose outputs do not depend on the other rows.
 //
@@ -45,7 +45,8 @@ struct FusedStack {
 
   // As LeanStack::forward: hidden [B, L, W], cos and sin [B, L, D], the additive mask the decoder
   // built ([B, 1, L, keys]: 0 where a key is visible), each layer's pool buffers, where the step
-  // writes and reads. Returns the last layer's output [B, L, W].
+  // writes and reads. A ragged step that carries its rows' own columns (PoolStep::own_offsets)
+  // needs no mask: `mask` is then not read. Returns the last layer's output [B, L, W].
   torch::Tensor forward(const torch::Tensor& hidden, const torch::Tensor& cos, const torch::Tensor& sin,
                         const torch::Tensor& mask, const std::vector<torch::Tensor>& keys,
                         const std::vector<torch::Tensor>& values, const PoolStep& step) const;

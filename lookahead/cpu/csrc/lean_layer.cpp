@@ -113,6 +113,7 @@ torch::Tensor LeanStack::forward(torch::Tensor hidden, const torch::Tensor& cos,
                                  const torch::Tensor& mask, const std::vector<torch::Tensor>& keys,
                                  const std::vector<torch::Tensor>& values, const PoolStep& step) const {
   TORCH_CHECK(keys.size() == layers.size() && values.size() == layers.size(), "one pool buffer per layer");
+  TORCH_CHECK(mask.dim() == 4, "the lean stack attends through a [B, 1, L, keys] mask");
   for (size_t i = 0; i < layers.size(); ++i) {
     auto [queries, new_keys, new_values] = layers[i].before_attention(hidden, cos, sin);
     hidden = layers[i].finish(

@@ -68,6 +68,10 @@ struct LeanLayer {
 struct PoolStep {
   std::optional<torch::Tensor> segments, slots, positions;
   int64_t read_length;
+  // A ragged step's rows may come with which of their segment's own tokens each sees: row r sees
+  // columns own_columns[own_offsets[r] .. own_offsets[r + 1]) of its segment (int32, ascending),
+  // besides its slot's first `start` entries. FusedStack reads these instead of a mask.
+  std::optional<torch::Tensor> own_offsets, own_columns;
 
   // keys and values [B, kv_heads, L, head_dim] into one layer's buffers [slots, kv_heads, capacity,
   // head_dim]; returns the entries attention reads (a ragged step's segments side by side).

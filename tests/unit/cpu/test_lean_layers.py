@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from contextlib import ExitStack
 from typing import Any
 
 import pytest
@@ -316,3 +317,42 @@ def test_the_fused_stack_gives_the_same_bits_whatever_the_teams_size(history_len
         torch.set_num_threads(threads)
     for other in results[1:]:
         assert all(torch.equal(a, b) for a, b in zip(results[0], other))
+
+
+@pytest.mark.skipif(not runnable_variants(), reason="no variant of the fast CPU path runs on this CPU")
+def test_the_fused_stack_reads_each_rows_lists_with_the_bits_of_the_mask() -> None:
+    """A ragged step on the fused stack carries each row's own columns instead of a mask: a prompt
+    chunk that ends in a draft, a tree after another slot's history and a chunk that does not end
+    its prompt give the logits and KV entries the dense mask gives, bit for bit."""
+    from lookahead.models.loading import load_model
+    from lookahead.runtime.runner import ModelRunner, Work
+    from lookahead.runtime.step_inputs import Segment
+
+    loaded = load_model(linear_kernel="integer")
+    lean = loaded.model.model
+    assert lean.reads_row_lists
+    runner = ModelRunner(loaded.model, prefix_cache_tokens=0, kv_cache_bytes=0)
+    assert runner.reads_row_lists
+    history = [(31 * i + 5) % 5000 + 100 for i in range(300)]
+    chunk = [(17 * i + 3) % 5000 + 100 for i in range(40)]
+    results = {}
+    with ExitStack() as stack:
+        stack.enter_context(torch.inference_mode())
+        slots = [stack.enter_context(runner.scratch_slot()) for _ in range(3)]
+        runner.forward_drafts([Draft(history, [-1, *range(len(history) - 1)])], [0], [slots[1]])
+        segments = [
+            Segment(slots[0], 0, chunk, Draft([7, 8, 9], [-1, 0, 0])),
+            Segment(slots[1], len(history), [], Draft([300, 301, 302, 303, 304], [-1, 0, 0, 1, 3])),
+            Segment(slots[2], 0, chunk[:25], None),
+        ]
+        works = [Work(runner.pool.owners[segment.slot], segment) for segment in segments]
+        for reads_lists in (True, False):
+            lean.reads_row_lists = reads_lists
+            rows = runner.forward_segments(works)
+            keys = [buffer[slots].clone() for buffer in runner.pool.keys + runner.pool.values]
+            results[reads_lists] = ([r.clone() for r in rows if r is not None], keys)
+        lean.reads_row_lists = True
+    (rows_lists, keys_lists), (rows_mask, keys_mask) = results[True], results[False]
+    assert len(rows_lists) == len(rows_mask) == 2
+    assert all(torch.equal(a, b) for a, b in zip(rows_lists, rows_mask))
+    assert all(torch.equal(a, b) for a, b in zip(keys_lists, keys_mask))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import hashlib
 import subprocess
@@ -24,6 +25,7 @@ from lookahead.models.chat import apply_chat_template
 from lookahead.models.checks import UnsupportedModelError, check_tree_attention
 from lookahead.models.embedded import DEFAULT_MODEL
 from lookahead.models.loading import eos_token_ids, freeze_loaded_objects, load_model
+from lookahead.runtime.kv_pool import StepCache
 from lookahead.runtime.output_layer import plain_output_layer
 from tests.helpers import TINY_ARCHITECTURES
 
@@ -349,13 +351,21 @@ def test_default_model_on_the_integer_kernel_verifies_trees_and_a_leak_is_still_
     model = load_model(DEFAULT_MODEL, linear_kernel="integer").model
     assert type(model.model.stack).__name__ == "FusedStack"
     # On the decoder's pool the fused stack gives a tree's rows plain decoding's bits: no tolerance.
+    # Its rows read what they see from lists, not the mask: a leak in either is refused.
     assert check_tree_attention(model) == 0.0
     original = type(model.model).forward
 
-    def leaky(self: Any, *args: Any, attention_mask: Any = None, **kwargs: Any) -> Any:
+    def leaky(self: Any, *args: Any, attention_mask: Any = None, cache: Any = None, **kwargs: Any) -> Any:
         if isinstance(attention_mask, torch.Tensor):  # every node sees its siblings
             attention_mask = torch.zeros_like(attention_mask)
-        return original(self, *args, attention_mask=attention_mask, **kwargs)
+        if isinstance(cache, StepCache) and cache.step.own_offsets is not None:  # so do the rows' lists
+            widths = [width for _, _, width in cache.step.segment_rows()]
+            seen = torch.tensor([width for width in widths for _ in range(width)], dtype=torch.int32)
+            offsets = torch.cat([torch.zeros(1, dtype=torch.int32), seen.cumsum(0, dtype=torch.int32)])
+            columns = torch.cat([torch.arange(width, dtype=torch.int32).repeat(width) for width in widths])
+            step = dataclasses.replace(cache.step, own_offsets=offsets, own_columns=columns)
+            cache = StepCache(cache.pool, step, cache.past_length)
+        return original(self, *args, attention_mask=attention_mask, cache=cache, **kwargs)
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(type(model.model), "forward", leaky)

@@ -7,7 +7,16 @@ from types import SimpleNamespace
 import torch
 
 from lookahead.algorithm.draft import Draft
-from lookahead.runtime.step_inputs import FULL, SLIDING, AttentionMasks, Segment, decode_inputs, ragged_inputs
+from lookahead.runtime.step_inputs import (
+    FULL,
+    SLIDING,
+    AttentionMasks,
+    Segment,
+    decode_inputs,
+    own_visibility,
+    ragged_inputs,
+    ragged_tokens,
+)
 
 PLAIN = AttentionMasks(SimpleNamespace(), torch.float32)
 
@@ -48,6 +57,33 @@ def test_a_ragged_step_places_each_segment_after_its_own_prefix():
         "000 0000 00 0000 110",
         "000 0000 00 0000 111",
     )
+
+
+def test_each_rows_own_lists_name_what_its_mask_row_shows_past_its_prefix():
+    """The lists the fused stack reads in place of the mask: row r sees its slot's first `start`
+    entries and then exactly the columns of its own segment that its mask row shows."""
+    segments = [
+        Segment(slot=0, start=3, prompt=[], draft=Draft([10, 11, 12, 13], [-1, 0, 1, 0])),
+        Segment(slot=1, start=2, prompt=[20, 21], draft=Draft([22, 23], [-1, 0])),
+        Segment(slot=2, start=0, prompt=[30, 31, 32], draft=None),
+    ]
+    ids, positions, mask = ragged_inputs(segments, PLAIN)
+    assert [t.tolist() for t in ragged_tokens(segments)] == [ids.tolist(), positions.tolist()]
+    offsets, columns = own_visibility(segments)
+    assert offsets.dtype == columns.dtype == torch.int32
+    lists = [columns[offsets[r] : offsets[r + 1]].tolist() for r in range(len(offsets) - 1)]
+    tree, chunk_and_draft, chunk = lists[:4], lists[4:8], lists[8:]
+    assert tree == [[0], [0, 1], [0, 1, 2], [0, 3]]  # 13 sees the root, not its sibling's branch
+    assert chunk_and_draft == [[0], [0, 1], [0, 1, 2], [0, 1, 2, 3]]
+    assert chunk == [[0], [0, 1], [0, 1, 2]]
+    rows = seen(mask)
+    row = column = 0
+    for segment in segments:  # the same rows, read off the mask's diagonal blocks
+        for t in range(segment.width):
+            own = rows[row + t][column + segment.start : column + segment.start + segment.width]
+            assert [i for i, bit in enumerate(own) if bit == "1"] == lists[row + t]
+            assert rows[row + t][column : column + segment.start] == "1" * segment.start
+        row, column = row + segment.width, column + segment.start + segment.width
 
 
 def test_a_decode_step_pads_short_drafts_with_rows_that_see_only_themselves():
