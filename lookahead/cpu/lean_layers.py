@@ -123,6 +123,8 @@ class LeanLlamaModel(nn.Module):
         # Whether the stack reads each row's visible entries from a ragged step's own lists
         # (kv_pool.PoolStep.own_offsets), so that the step needs no attention mask: the fused one does.
         self.reads_row_lists = False
+        # Whether the stack applies the final norm itself (the fused one, within its parallel region).
+        self.stack_norms_output = False
         self.pool_step = extension.PoolStep
         self._stock = (stock,)  # a tuple keeps it out of the module tree: its modules are ours
 
@@ -176,9 +178,11 @@ class LeanLlamaModel(nn.Module):
         embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
         if isinstance(cache, StepCache) and mask is not None:
             pool = cache.pool
-            hidden_states = self.stack(
-                hidden_states, *embeddings, mask, pool.keys, pool.values, cache.twin(self.pool_step)
-            )
+            inputs = (hidden_states, *embeddings, mask, pool.keys, pool.values, cache.twin(self.pool_step))
+            if self.stack_norms_output:
+                normed = self.stack(*inputs, _norm_weights(self.norm))
+                return BaseModelOutputWithPast(last_hidden_state=normed, cache=cache)
+            hidden_states = self.stack(*inputs)
         else:
             for layer in self.layers:
                 hidden_states = layer(
@@ -231,6 +235,8 @@ def use_fused_stack(lean: LeanLlamaModel, extension: ModuleType) -> bool:
         return False
     lean.stack = fused
     lean.reads_row_lists = True
+    # The stack's own RMSNorm stands in for the final norm where that is the layers' kind of norm.
+    lean.stack_norms_output = type(lean.norm) is type(lean.layers[0].input_layernorm)
     return True
 
 

@@ -155,7 +155,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
       .def("__call__", &LeanStack::forward, ReleaseGil());
   pybind11::class_<FusedStack>(module, "FusedStack", pybind11::module_local())
       .def(pybind11::init([](std::vector<LeanLayer> layers) { return FusedStack(std::move(layers)); }))
-      .def("__call__", &FusedStack::forward, ReleaseGil())
+      .def(
+          "__call__",
+          [](const FusedStack& stack, const torch::Tensor& hidden, const torch::Tensor& cos, const torch::Tensor& sin,
+             const torch::Tensor& mask, const std::vector<torch::Tensor>& keys,
+             const std::vector<torch::Tensor>& values, const PoolStep& step,
+             const std::optional<NormWeights>& final_norm) {
+            return stack.forward(hidden, cos, sin, mask, keys, values, step, optional_norm(final_norm));
+          },
+          pybind11::arg("hidden"), pybind11::arg("cos"), pybind11::arg("sin"), pybind11::arg("mask"),
+          pybind11::arg("keys"), pybind11::arg("values"), pybind11::arg("step"),
+          pybind11::arg("final_norm") = pybind11::none(), ReleaseGil())
       .def_readwrite("profiling", &FusedStack::profiling)
       .def("step_times", &FusedStack::step_times)
       .def("reset_step_times", &FusedStack::reset_step_times);

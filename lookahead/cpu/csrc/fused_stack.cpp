@@ -91,7 +91,7 @@ std::vector<RowPlan> plan_rows(const PoolStep& step, const torch::Tensor& mask, 
   return rows;
 }
 
-// weight * (x * (1 / sqrt(mean(x^2) + eps))) over `width` values (a multiple of 16).
+// weight * (x * (1 / sqrt(mean(x^2) + eps))) over `width` values (a multiple of 16); `out` may be `x`.
 void rms_norm(const float* x, const float* weight, float eps, int64_t width, float* out) {
   F32x16 squares = F32x16::zero();
   for (int64_t i = 0; i < width; i += kLanes) {
@@ -549,7 +549,8 @@ FusedStack::FusedStack(std::vector<LeanLayer> layers_) : layers(std::move(layers
 
 torch::Tensor FusedStack::forward(const torch::Tensor& hidden, const torch::Tensor& cos_, const torch::Tensor& sin_,
                                   const torch::Tensor& mask, const std::vector<torch::Tensor>& keys,
-                                  const std::vector<torch::Tensor>& values, const PoolStep& step) const {
+                                  const std::vector<torch::Tensor>& values, const PoolStep& step,
+                                  const std::optional<RmsNorm>& final_norm) const {
   TORCH_CHECK(keys.size() == layers.size() && values.size() == layers.size(), "one pool buffer per layer");
   TORCH_CHECK(hidden.dim() == 3 && hidden.scalar_type() == torch::kFloat32, "hidden must be [B, L, W] fp32");
   const int64_t B = hidden.size(0), L = hidden.size(1), W = hidden.size(2), M = B * L;
@@ -561,6 +562,13 @@ torch::Tensor FusedStack::forward(const torch::Tensor& hidden, const torch::Tens
   const int64_t D = layers[0].head_dim;
   TORCH_CHECK(cos.scalar_type() == torch::kFloat32 && cos.numel() == M * D && sin.numel() == M * D,
               "cos and sin must be [B, L, head_dim] fp32");
+  const float* final_weight = nullptr;
+  if (final_norm) {
+    TORCH_CHECK(final_norm->weight.is_contiguous() && final_norm->weight.scalar_type() == torch::kFloat32 &&
+                    final_norm->weight.numel() == W,
+                "the final norm's weight must be a contiguous fp32 vector of the hidden width");
+    final_weight = final_norm->weight.data_ptr<float>();
+  }
   for (size_t i = 0; i < layers.size(); ++i) {
     const auto& layer = layers[i];
     TORCH_CHECK(layer.input_norm.weight.numel() == W && layer.head_dim == D, "layer ", i, " has other shapes");
@@ -692,6 +700,9 @@ torch::Tensor FusedStack::forward(const torch::Tensor& hidden, const torch::Tens
       for (int64_t r = row_begin; r < row_end; ++r) add_into(h + r * W, projected.data() + r * W, W);
       lap(kResidual);  // the next layer reads only this thread's rows of h before its next barrier
     }
+    if (final_weight != nullptr)
+      for (int64_t r = row_begin; r < row_end; ++r)
+        rms_norm(h + r * W, final_weight, static_cast<float>(final_norm->eps), W, h + r * W);
   }
   if (profiling) ++profiled_forwards;
   return output;

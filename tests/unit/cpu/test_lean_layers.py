@@ -356,3 +356,27 @@ def test_the_fused_stack_reads_each_rows_lists_with_the_bits_of_the_mask() -> No
     assert len(rows_lists) == len(rows_mask) == 2
     assert all(torch.equal(a, b) for a, b in zip(rows_lists, rows_mask))
     assert all(torch.equal(a, b) for a, b in zip(keys_lists, keys_mask))
+
+
+@pytest.mark.skipif(not runnable_variants(), reason="no variant of the fast CPU path runs on this CPU")
+def test_the_fused_stack_applies_the_final_norm_as_the_model_does() -> None:
+    """On the decoder's pool the fused stack runs the model's final RMSNorm inside its parallel
+    region; the logits stay those of the model's own norm after the stack, to rounding."""
+    from lookahead.models.loading import load_model
+    from lookahead.runtime.runner import ModelRunner
+
+    loaded = load_model(linear_kernel="integer")
+    lean = loaded.model.model
+    assert lean.stack_norms_output
+    runner = ModelRunner(loaded.model, prefix_cache_tokens=0, kv_cache_bytes=0)
+    history = [(31 * i + 5) % 5000 + 100 for i in range(200)]
+    tree = Draft([300, 301, 302, 303, 304], [-1, 0, 0, 1, 3])
+    logits = {}
+    with torch.inference_mode(), runner.scratch_slot() as slot:
+        runner.forward_drafts([Draft(history, [-1, *range(len(history) - 1)])], [0], [slot])
+        for in_stack in (True, False):
+            lean.stack_norms_output = in_stack
+            logits[in_stack] = runner.forward_drafts([tree], [len(history)], [slot])[0].clone()
+        lean.stack_norms_output = True
+    torch.testing.assert_close(logits[True], logits[False], rtol=1e-4, atol=1e-4)
+    assert torch.equal(logits[True].argmax(-1), logits[False].argmax(-1))
