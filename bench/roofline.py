@@ -308,7 +308,7 @@ def breakdown(decoder: LookaheadDecoder, cached: int, repeats: int, steps: int) 
         decoder.runner.head_of_hidden = head
     if stack is not None:
         inner.stack = stack
-        result["around the stack (embedding, RoPE tables, mask, final norm, Python)"] = (
+        result["around the stack (embedding, RoPE tables, step inputs, Python)"] = (
             total - result["layer stack"] - result.get("LM head", 0.0)
         )
     # Plain decoding, one stream: the decoder's step beside the forward inside it.
