@@ -125,8 +125,9 @@ void rotate(float* x, const float* cos, const float* sin, int64_t dim) {
 }
 
 // The pool entries each row of the step sees, found once per forward (every layer and head reads
-// them): the zeros of its mask row or the entries its lists name, in pool order, and how many of them lead as 0, 1, 2, ... (the
-// committed history its tree shares with the other rows of its segment).
+// them): the zeros of its mask row or the entries its lists name, in pool order, and how many of
+// them lead as 0, 1, 2, ... (the committed history its tree shares with the other rows of its
+// segment).
 struct Visibility {
   std::vector<int32_t> entries;
   int64_t prefix = 0;
@@ -140,7 +141,8 @@ std::vector<Visibility> visible_entries(const std::vector<RowPlan>& rows) {
     if (row.mask == nullptr) {
       entries.resize(row.start + row.own_count);
       std::iota(entries.begin(), entries.begin() + row.start, 0);
-      for (int64_t i = 0; i < row.own_count; ++i) entries[row.start + i] = static_cast<int32_t>(row.start + row.own[i]);
+      for (int64_t i = 0; i < row.own_count; ++i)
+        entries[row.start + i] = static_cast<int32_t>(row.start + row.own[i]);
     } else {
       for (int64_t j = 0; j < row.keys; ++j)
         if (row.mask[j] == 0.0f) entries.push_back(static_cast<int32_t>(j));

@@ -9,8 +9,8 @@
 // a row depends on that row and the entries it attends to alone:
 //
 // - norms, RoPE, SiLU and quantisation work row by row, in a fixed order;
-// - attention visits the keys a row may see (its mask row's zeros, or its lists) in pool order and skips the
-//   others, so a draft node sees exactly what the same token sees in plain decoding;
+// - attention visits the keys a row may see (its mask row's zeros, or its lists) in pool order
+//   and skips the others, so a draft node sees exactly what the same token sees in plain decoding;
 // - the matrices are the packed kernels, whose outputs do not depend on the other rows.
 //
 // So lookahead and plain decoding on this path give the same tokens, alone or batched.
