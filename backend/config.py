@@ -17,7 +17,14 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from lookahead.algorithm.trie import MAX_DEPTH_LIMIT
-from lookahead.config import DRAFTER_NAMES, LINEAR_KERNELS, DecoderConfig, LookaheadConfig, TrieConfig
+from lookahead.config import (
+    DRAFTER_NAMES,
+    KV_CACHE_DTYPES,
+    LINEAR_KERNELS,
+    DecoderConfig,
+    LookaheadConfig,
+    TrieConfig,
+)
 from lookahead.contract import MODEL_ENV, STATE_DIR_ENV, SYNC_ENV
 from lookahead.models.embedded import DEFAULT_MODEL
 from lookahead.models.loading import DTYPES
@@ -260,6 +267,7 @@ PARAMETERS: dict[str, tuple[tuple[str, ...], Callable[..., Any]]] = {
     "max_speculative_batch": (("decoder", "max_speculative_batch"), _int(minimum=0)),
     "prefix_cache_tokens": (("decoder", "prefix_cache_tokens"), _int(minimum=0)),
     "kv_cache_bytes": (("decoder", "kv_cache_bytes"), _int(minimum=0)),
+    "kv_cache_dtype": (("decoder", "kv_cache_dtype"), _choice(KV_CACHE_DTYPES)),
     "grammar_compile_timeout_s": (("decoder", "grammar_compile_timeout_s"), _float(minimum=0.0)),
     "grammar_max_bytes": (("decoder", "grammar_max_bytes"), _int(minimum=1)),
     "grammar_max_choices": (("decoder", "grammar_max_choices"), _int(minimum=1)),

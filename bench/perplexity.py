@@ -7,6 +7,9 @@ same text, read in chunks through the decoder's own forwards (its KV pool, the f
 the path has one), scored token by token. The text is the running interpreter's standard library
 source (never seen as such in a request of the benchmarks' prompt sets), so the numbers repeat.
 
+A path may name the KV cache's entries after a colon (`integer-avx512:float16` stores IEEE
+halves; without one, the model's dtype).
+
     python -m bench perplexity --models smollm2-135m-instruct qwen2.5-coder-0.5b-instruct
 """
 
@@ -63,7 +66,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--models", nargs="+", default=[DEFAULT_MODEL])
     parser.add_argument(
-        "--paths", default="packed-avx512,integer-avx512", help="comma-separated KERNEL-VARIANT"
+        "--paths",
+        default="packed-avx512,integer-avx512,integer-avx512:float16",
+        help="comma-separated KERNEL-VARIANT[:KV_CACHE_DTYPE]",
     )
     parser.add_argument("--tokens", type=int, default=2048, help="tokens of text scored per model")
     parser.add_argument("--chunk", type=int, default=64, help="tokens per forward")
@@ -76,9 +81,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     for model in args.models:
         reference = None
         for path in args.paths.split(","):
-            loaded = load_on_path(model, path)
+            kernel_variant, _, kv_cache_dtype = path.partition(":")
+            loaded = load_on_path(model, kernel_variant)
             ids = loaded.tokenizer(text)["input_ids"][: args.tokens]
-            runner = ModelRunner(loaded.model, prefix_cache_tokens=0, kv_cache_bytes=0)
+            runner = ModelRunner(
+                loaded.model,
+                prefix_cache_tokens=0,
+                kv_cache_bytes=0,
+                kv_cache_dtype=kv_cache_dtype or "model",
+            )
             losses = negative_log_likelihoods(runner, ids, args.chunk)
             perplexity = math.exp(sum(losses) / len(losses))
             reference = reference or perplexity

@@ -25,6 +25,9 @@ RECYCLING_DRAFTERS = frozenset({"hybrid", "recycled"})
 # computes transformers' own bits. "stock": transformers' layers. "auto": integer where the fast path
 # runs, else stock.
 LINEAR_KERNELS = ("auto", "integer", "packed", "stock")
+# What the KV pool stores: "model" entries of the model's dtype; "float16" IEEE halves, half the
+# memory a position takes (llama.cpp's default cache type), on the integer path's fused layers only.
+KV_CACHE_DTYPES = ("model", "float16")
 
 
 SHOWN_CHARS = 80  # most characters of a value an error message quotes
@@ -356,6 +359,7 @@ class DecoderConfig:
     grammar) and `choice` list accepted; larger ones are refused before compiling.
     adaptive_threads: size each forward's thread team to the cores other processes leave free
     (runtime/core_budget.py), so that a busy neighbour slows a forward instead of stalling it.
+    kv_cache_dtype: what the KV pool stores (KV_CACHE_DTYPES).
     """
 
     step_token_budget: int = 128
@@ -366,6 +370,7 @@ class DecoderConfig:
     grammar_max_bytes: int = 65536
     grammar_max_choices: int = 1000
     adaptive_threads: bool = True
+    kv_cache_dtype: str = "model"
 
     def __post_init__(self) -> None:
         _require(self.step_token_budget >= 1, f"step_token_budget must be >= 1, got {self.step_token_budget}")
@@ -384,6 +389,10 @@ class DecoderConfig:
         _require(self.grammar_max_bytes >= 1, f"grammar_max_bytes must be >= 1, got {self.grammar_max_bytes}")
         _require(
             self.grammar_max_choices >= 1, f"grammar_max_choices must be >= 1, got {self.grammar_max_choices}"
+        )
+        _require(
+            self.kv_cache_dtype in KV_CACHE_DTYPES,
+            f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}",
         )
 
 

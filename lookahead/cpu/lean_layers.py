@@ -106,6 +106,9 @@ ONE_MASK_MODELS = (LlamaModel, MistralModel, Qwen2Model, Qwen3Model)
 # How far the fused stack's hidden states may lie from the lean layers' (relative, in the 2-norm):
 # its own rounding moves some int8 activations by one step, which moves outputs by ~1e-3.
 FUSED_TOLERANCE = 2e-2
+# How far its hidden states on a pool of fp16 entries may lie from the lean layers': the entries'
+# rounding (2^-11 relative) moves int8 activations by a step more often than its own arithmetic.
+HALF_POOL_TOLERANCE = 1e-1
 
 
 class LeanLlamaModel(nn.Module):
@@ -125,6 +128,9 @@ class LeanLlamaModel(nn.Module):
         self.reads_row_lists = False
         # Whether the stack applies the final norm itself (the fused one, within its parallel region).
         self.stack_norms_output = False
+        # Whether the stack also runs on a KV pool of fp16 entries (the fused one, where the load
+        # probe stays within FUSED_TOLERANCE on one): half the bytes each step reads.
+        self.reads_half_pool = False
         self.pool_step = extension.PoolStep
         self._stock = (stock,)  # a tuple keeps it out of the module tree: its modules are ours
 
@@ -235,6 +241,10 @@ def use_fused_stack(lean: LeanLlamaModel, extension: ModuleType) -> bool:
         return False
     lean.stack = fused
     lean.reads_row_lists = True
+    on_halves = _stack_probe(lean, fused, torch.float16)
+    lean.reads_half_pool = bool(torch.isfinite(on_halves).all()) and bool(
+        float((on_halves - expected).norm() / expected.norm()) <= HALF_POOL_TOLERANCE
+    )
     # The stack's own RMSNorm stands in for the final norm where that is the layers' kind of norm.
     lean.stack_norms_output = type(lean.norm) is type(lean.layers[0].input_layernorm)
     return True
@@ -251,14 +261,14 @@ def _one_mask(config: Any) -> bool:
     )
 
 
-def _stack_probe(lean: LeanLlamaModel, stack: Any) -> torch.Tensor:
-    """Hidden states of a stack over a fresh pool: a 6-token prompt in slot 0, then a 3-node tree
-    (a root and two children) in slot 1 after a 4-token prompt."""
+def _stack_probe(lean: LeanLlamaModel, stack: Any, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Hidden states of a stack over a fresh pool of `dtype` entries: a 6-token prompt in slot 0,
+    then a 3-node tree (a root and two children) in slot 1 after a 4-token prompt."""
     config, embeddings = lean.config, lean.embed_tokens
     vocab = embeddings.num_embeddings
     kv_heads = config.num_key_value_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    pool = [torch.zeros(2, kv_heads, 16, head_dim) for _ in range(2 * len(lean.layers))]
+    pool = [torch.zeros(2, kv_heads, 16, head_dim, dtype=dtype) for _ in range(2 * len(lean.layers))]
     keys, values = pool[: len(lean.layers)], pool[len(lean.layers) :]
     outputs = []
     with torch.inference_mode():

@@ -60,7 +60,8 @@ class LookaheadDecoder:
     """Shared state of all requests served by one model instance (owned by one thread).
 
     step_token_budget, max_speculative_batch, prefix_cache_tokens, kv_cache_bytes,
-    grammar_compile_timeout_s, grammar_max_bytes, grammar_max_choices: see `DecoderConfig`.
+    grammar_compile_timeout_s, grammar_max_bytes, grammar_max_choices, kv_cache_dtype: see
+    `DecoderConfig`.
     cost_prior: the forward's relative cost by tokens fed on this execution path, which the cost
     model starts from (`LoadedModel.cost_prior`) until `measure_cost` times the model itself;
     None: the device's default curve. kernel: the linear kernel's name (`LoadedModel.linear_kernel`),
@@ -83,6 +84,7 @@ class LookaheadDecoder:
         grammar_max_bytes: int = DecoderConfig.grammar_max_bytes,
         grammar_max_choices: int = DecoderConfig.grammar_max_choices,
         adaptive_threads: bool = DecoderConfig.adaptive_threads,
+        kv_cache_dtype: str = DecoderConfig.kv_cache_dtype,
         cost_prior: Mapping[int, float] | None = None,
         kernel: str = "stock",
     ):
@@ -94,11 +96,13 @@ class LookaheadDecoder:
             grammar_compile_timeout_s,
             grammar_max_bytes,
             grammar_max_choices,
+            kv_cache_dtype=kv_cache_dtype,
         )  # validates
         self.runner = ModelRunner(
             model,
             prefix_cache_tokens=prefix_cache_tokens,
             kv_cache_bytes=kv_cache_bytes,
+            kv_cache_dtype=kv_cache_dtype,
             core_budget=CoreBudget(torch.get_num_threads(), watch=True) if adaptive_threads else None,
         )
         self.model = model
@@ -221,6 +225,7 @@ class LookaheadDecoder:
             grammar_max_bytes=settings.grammar_max_bytes,
             grammar_max_choices=settings.grammar_max_choices,
             adaptive_threads=settings.adaptive_threads,
+            kv_cache_dtype=settings.kv_cache_dtype,
             cost_prior=loaded.cost_prior,
             kernel=loaded.linear_kernel,
         )

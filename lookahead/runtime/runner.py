@@ -63,8 +63,9 @@ class Work:
 
 class ModelRunner:
     """Runs one model's forwards for a decoder, over a KV pool of at most kv_cache_bytes (0: no
-    bound) and a prefix cache of prefix_cache_tokens positions (0: none); `core_budget`, where
-    given, sizes each forward's thread team to the free cores."""
+    bound) holding kv_cache_dtype entries (config.KV_CACHE_DTYPES) and a prefix cache of
+    prefix_cache_tokens positions (0: none); `core_budget`, where given, sizes each forward's
+    thread team to the free cores."""
 
     def __init__(
         self,
@@ -72,6 +73,7 @@ class ModelRunner:
         *,
         prefix_cache_tokens: int,
         kv_cache_bytes: int,
+        kv_cache_dtype: str = "model",
         core_budget: CoreBudget | None = None,
     ):
         self.model = model
@@ -87,6 +89,12 @@ class ModelRunner:
         # and no logits for padding rows).
         self.head_of_hidden = plain_output_layer(model)
         self.inner = model.get_decoder() if self.head_of_hidden is not None else None
+        self.half_pool = kv_cache_dtype == "float16"
+        if self.half_pool and not getattr(self.inner, "reads_half_pool", False):
+            raise ValueError(
+                "kv_cache_dtype float16 needs the integer path's fused layers (linear_kernel auto or "
+                "integer, on an x86-64 CPU with AVX2 or AVX-512), which this model does not run on"
+            )
         self._kv_layout: KVLayout | None = None
         self.core_budget = core_budget
 
@@ -101,7 +109,7 @@ class ModelRunner:
             self._kv_layout = KVLayout(
                 [layer.keys.shape[1] for layer in layers],
                 [layer.keys.shape[3] for layer in layers],
-                layers[0].keys.dtype,
+                torch.float16 if self.half_pool else layers[0].keys.dtype,
                 layers[0].keys.device,
             )
         return self._kv_layout

@@ -6,9 +6,12 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <map>
 #include <numeric>
+#include <type_traits>
+#include <utility>
 
 #include "parallel.h"
 #include "simd.h"
@@ -330,17 +333,54 @@ F32x16 dots16(const float* query, const float* const* keys, int64_t n, int64_t c
   return reduce_add16(partials);
 }
 
+// The pool holds fp32 entries or IEEE halves (Entry float or uint16_t); attention reads either as
+// fp32. A chunk of 16 lanes of an entry:
+inline F32x16 load_entry(const float* p) { return F32x16::load(p); }
+inline F32x16 load_entry(const uint16_t* p) { return F32x16::from_half(p); }
+inline void store_entry(const float* x, int64_t n, float* p) { std::memcpy(p, x, n * sizeof(float)); }
+inline void store_entry(const float* x, int64_t n, uint16_t* p) {
+  for (int64_t i = 0; i < n; i += kLanes) F32x16::load(x + i).store_half(p + i);
+}
+
+// Where attend reads `n` entries of `dim` lanes: fp32 entries in place; halves converted into
+// `scratch` first, once for every query that reads them.
+inline const float* entries_as_float(const float* first, int64_t, int64_t, float*) { return first; }
+inline const float* entries_as_float(const uint16_t* first, int64_t n, int64_t dim, float* scratch) {
+  for (int64_t i = 0; i < n * dim; i += kLanes) F32x16::from_half(first + i).store(scratch + i);
+  return scratch;
+}
+
+// Chunks [d0, d0 + width) of the values of entries [j0, j1), as attend's multiply-adds read them
+// from the first entry's chunk d0: fp32 entries in place (stride dim); halves converted into
+// `scratch` (stride width chunks).
+inline const float* values_as_float(const float* values, int64_t j0, int64_t, int64_t dim, int64_t d0, int64_t,
+                                    float*) {
+  return values + j0 * dim + d0 * kLanes;
+}
+inline const float* values_as_float(const uint16_t* values, int64_t j0, int64_t j1, int64_t dim, int64_t d0,
+                                    int64_t width, float* scratch) {
+  for (int64_t j = j0; j < j1; ++j)
+    for (int64_t c = 0; c < width; ++c)
+      F32x16::from_half(values + j * dim + (d0 + c) * kLanes).store(scratch + ((j - j0) * width + c) * kLanes);
+  return scratch;
+}
+
+// What attend converts half entries into: a block of up to 16 keys and a stretch of values.
+constexpr int64_t kValueStretchLanes = 256 * kLanes;
+int64_t converted_floats(int64_t dim) { return kLanes * dim + kValueStretchLanes; }
+
 // A unit's queries over the entries each sees: softmax(q . k * scaling) . v. The entries every row
 // of the unit sees first (the shared history) are read once for all of its queries; each query
 // still visits its own entries in list order with the same operations as alone, so its result
 // does not depend on which queries share the unit. Entry i of a row's list always takes the same
 // lane of its span's sum (i mod 16), so the same token at the same place in its history gets the
-// same bits in a tree and in plain decoding. `scores`: kScoreStride floats per query. A
-// split unit writes its spans' parts to `parts` instead.
-template <int C>
-void attend(const AttentionUnit& unit, const float* qkv, int64_t qkv_width, const float* keys, const float* values,
-            const std::vector<Visibility>& visible, int64_t dim, float scaling, float* scores, float* out,
-            int64_t out_stride, SpanParts& parts) {
+// same bits in a tree and in plain decoding. `scores`: kScoreStride floats per query;
+// `converted`: converted_floats(dim) floats (half entries). A split unit writes its spans' parts
+// to `parts` instead.
+template <int C, typename Entry>
+void attend(const AttentionUnit& unit, const float* qkv, int64_t qkv_width, const Entry* keys, const Entry* values,
+            const std::vector<Visibility>& visible, int64_t dim, float scaling, float* scores, float* converted,
+            float* out, int64_t out_stride, SpanParts& parts) {
   const int64_t chunks = C > 0 ? C : dim / kLanes;
   const int64_t Q = unit.rows * unit.heads;
   const Visibility* seen[kQueriesPerUnit];
@@ -367,7 +407,8 @@ void attend(const AttentionUnit& unit, const float* qkv, int64_t qkv_width, cons
     const int64_t e1 = e0 + kSpan, common = std::clamp(shared, e0, e1);  // [e0, common): entry j is j for all
     for (int64_t j = e0; j < common; j += kLanes) {
       const int64_t n = std::min(kLanes, common - j);
-      for (int64_t k = 0; k < n; ++k) block[k] = keys + (j + k) * dim;
+      const float* first = entries_as_float(keys + j * dim, n, dim, converted);
+      for (int64_t k = 0; k < n; ++k) block[k] = first + k * dim;
       for (int64_t i = 0; i < Q; ++i)
         F32x16::mul(dots16<C>(query[i], block, n, chunks), scale).store(scores + i * kScoreStride + (j - e0));
     }
@@ -378,7 +419,12 @@ void attend(const AttentionUnit& unit, const float* qkv, int64_t qkv_width, cons
       float* row = scores + i * kScoreStride;
       for (int64_t e = common; e < end; e += kLanes) {
         const int64_t n = std::min(kLanes, end - e);
-        for (int64_t k = 0; k < n; ++k) block[k] = keys + entries[e + k] * dim;
+        if constexpr (std::is_same_v<Entry, float>) {
+          for (int64_t k = 0; k < n; ++k) block[k] = keys + entries[e + k] * dim;
+        } else {
+          for (int64_t k = 0; k < n; ++k)
+            block[k] = entries_as_float(keys + entries[e + k] * dim, 1, dim, converted + k * dim);
+        }
         F32x16::mul(dots16<C>(query[i], block, n, chunks), scale).store(row + (e - e0));
       }
       const int64_t count = end - e0, padded = (count + kLanes - 1) / kLanes * kLanes;
@@ -413,13 +459,17 @@ void attend(const AttentionUnit& unit, const float* qkv, int64_t qkv_width, cons
     // (16 KB) stay in L1 while every group of queries reads them; else chunk by chunk.
     constexpr int64_t T = C > 0 ? std::max<int64_t>(1, kAttentionAccumulators / C) : 1;
     constexpr int64_t width = C > 0 ? C : 1;
-    constexpr int64_t stretch = 256 / width;
+    constexpr int64_t stretch = kValueStretchLanes / kLanes / width;
     F32x16 sums[kQueriesPerUnit][width];
     for (int64_t d0 = 0; d0 < chunks; d0 += width) {
       for (int64_t i = 0; i < Q; ++i)
         for (int64_t c = 0; c < width; ++c) sums[i][c] = F32x16::zero();
       for (int64_t j0 = e0; j0 < common; j0 += stretch) {
         const int64_t j1 = std::min(common, j0 + stretch);
+        // The stretch's values of chunks [d0, d0 + width): in place, or converted into `converted`
+        // (rows of width chunks).
+        const float* stretch_values = values_as_float(values, j0, j1, dim, d0, width, converted + kLanes * dim);
+        const int64_t value_stride = std::is_same_v<Entry, float> ? dim : width * kLanes;
         for (int64_t first = 0; first < Q; first += T) {
           const int64_t last = std::min(Q, first + T);
           // A group short of T queries repeats its last one (results dropped), so that every loop
@@ -432,7 +482,7 @@ void attend(const AttentionUnit& unit, const float* qkv, int64_t qkv_width, cons
             for (int64_t c = 0; c < width; ++c) acc[t][c] = sums[i][c];
           }
           for (int64_t j = j0; j < j1; ++j) {
-            const float* value = values + j * dim + d0 * kLanes;
+            const float* value = stretch_values + (j - j0) * value_stride;
 #pragma GCC unroll 16
             for (int64_t t = 0; t < T; ++t) {
               const F32x16 p = F32x16::broadcast(weights[t][j]);
@@ -453,7 +503,7 @@ void attend(const AttentionUnit& unit, const float* qkv, int64_t qkv_width, cons
         for (int64_t c = 0; c < width; ++c) {
           F32x16 a = sums[i][c];
           for (int64_t e = common; e < end; ++e)
-            a = F32x16::fmadd(F32x16::broadcast(weight[e]), F32x16::load(values + entries[e] * dim + (d0 + c) * kLanes),
+            a = F32x16::fmadd(F32x16::broadcast(weight[e]), load_entry(values + entries[e] * dim + (d0 + c) * kLanes),
                               a);
           if (unit.split) {
             a.store(parts.weighted.data() + (part[i] + e0 / kSpan) * dim + (d0 + c) * kLanes);
@@ -476,16 +526,20 @@ void attend(const AttentionUnit& unit, const float* qkv, int64_t qkv_width, cons
 }
 
 // attend<C> for the head sizes met in practice (64, 128), with the loops along the head unrolled.
-void attend_any(const AttentionUnit& unit, const float* qkv, int64_t qkv_width, const float* keys,
-                const float* values, const std::vector<Visibility>& visible, int64_t dim, float scaling,
-                float* scores, float* out, int64_t out_stride, SpanParts& parts) {
+template <typename Entry>
+void attend_any(const AttentionUnit& unit, const float* qkv, int64_t qkv_width, const Entry* keys,
+                const Entry* values, const std::vector<Visibility>& visible, int64_t dim, float scaling,
+                float* scores, float* converted, float* out, int64_t out_stride, SpanParts& parts) {
   switch (dim / kLanes) {
     case 4:
-      return attend<4>(unit, qkv, qkv_width, keys, values, visible, dim, scaling, scores, out, out_stride, parts);
+      return attend<4>(unit, qkv, qkv_width, keys, values, visible, dim, scaling, scores, converted, out, out_stride,
+                       parts);
     case 8:
-      return attend<8>(unit, qkv, qkv_width, keys, values, visible, dim, scaling, scores, out, out_stride, parts);
+      return attend<8>(unit, qkv, qkv_width, keys, values, visible, dim, scaling, scores, converted, out, out_stride,
+                       parts);
     default:
-      return attend<0>(unit, qkv, qkv_width, keys, values, visible, dim, scaling, scores, out, out_stride, parts);
+      return attend<0>(unit, qkv, qkv_width, keys, values, visible, dim, scaling, scores, converted, out, out_stride,
+                       parts);
   }
 }
 
@@ -571,13 +625,15 @@ torch::Tensor FusedStack::forward(const torch::Tensor& hidden, const torch::Tens
                 "the final norm's weight must be a contiguous fp32 vector of the hidden width");
     final_weight = final_norm->weight.data_ptr<float>();
   }
+  const bool half_pool = keys[0].scalar_type() == torch::kHalf;
   for (size_t i = 0; i < layers.size(); ++i) {
     const auto& layer = layers[i];
     TORCH_CHECK(layer.input_norm.weight.numel() == W && layer.head_dim == D, "layer ", i, " has other shapes");
     for (const auto* buffer : {&keys[i], &values[i]}) {
-      TORCH_CHECK(buffer->is_contiguous() && buffer->scalar_type() == torch::kFloat32 && buffer->dim() == 4 &&
+      TORCH_CHECK(buffer->is_contiguous() && buffer->scalar_type() == keys[0].scalar_type() &&
+                      (half_pool || buffer->scalar_type() == torch::kFloat32) && buffer->dim() == 4 &&
                       buffer->size(1) == layer.kv_heads && buffer->size(3) == D,
-                  "pool buffers must be contiguous fp32 [slots, kv_heads, capacity, head_dim]");
+                  "pool buffers must be contiguous [slots, kv_heads, capacity, head_dim], all fp32 or all fp16");
       for (const auto& row : rows)
         TORCH_CHECK(row.slot >= 0 && row.slot < buffer->size(0) && row.position >= 0 && row.keys <= buffer->size(2) &&
                         row.position < buffer->size(2),
@@ -626,7 +682,7 @@ torch::Tensor FusedStack::forward(const torch::Tensor& hidden, const torch::Tens
     const int thread = omp_get_thread_num(), team = omp_get_num_threads();
     const auto [row_begin, row_end] = thread_share(M, thread, team);
     const auto [unit_begin, unit_end] = weighted_share(unit_costs, thread, team);
-    std::vector<float> scores(most_queries * kScoreStride);
+    std::vector<float> scores(most_queries * kScoreStride), converted(half_pool ? converted_floats(D) : 0);
     // Thread 0's time in each step, and at the barriers (waiting for the others).
     const bool timing = profiling && thread == 0;
     auto last = Clock::now();
@@ -651,8 +707,13 @@ torch::Tensor FusedStack::forward(const torch::Tensor& hidden, const torch::Tens
       done(kNormQuantise);
       multiply(qkv_in, normed.data(), M, qkv.data(), thread, team);
       done(kQkv);
-      float* key_pool = keys[i].data_ptr<float>();
-      float* value_pool = values[i].data_ptr<float>();
+      // The layer's pool buffers: fp32 entries, or halves (stored as uint16_t bits).
+      void* const key_pool = keys[i].data_ptr();
+      void* const value_pool = values[i].data_ptr();
+      const auto pool_at = [&](void* pool, int64_t entry) -> std::pair<float*, uint16_t*> {
+        if (half_pool) return {nullptr, static_cast<uint16_t*>(pool) + entry};
+        return {static_cast<float*>(pool) + entry, nullptr};
+      };
       const int64_t capacity = keys[i].size(2);
       for (int64_t r = row_begin; r < row_end; ++r) {
         float* states = qkv.data() + r * qkv_width;
@@ -664,8 +725,14 @@ torch::Tensor FusedStack::forward(const torch::Tensor& hidden, const torch::Tens
         }
         for (int64_t g = 0; g < kv_heads; ++g) {
           const int64_t entry = ((rows[r].slot * kv_heads + g) * capacity + rows[r].position) * D;
-          std::memcpy(key_pool + entry, states + (heads + g) * D, D * sizeof(float));
-          std::memcpy(value_pool + entry, states + (heads + kv_heads + g) * D, D * sizeof(float));
+          for (const auto& [pool, state] :
+               {std::pair{key_pool, heads + g}, std::pair{value_pool, heads + kv_heads + g}}) {
+            const auto [as_float, as_half] = pool_at(pool, entry);
+            if (as_half != nullptr)
+              store_entry(states + state * D, D, as_half);
+            else
+              store_entry(states + state * D, D, as_float);
+          }
         }
       }
       done(kRope);
@@ -673,8 +740,15 @@ torch::Tensor FusedStack::forward(const torch::Tensor& hidden, const torch::Tens
         const AttentionUnit& unit = units[u];
         const int64_t g = unit.first_head / (heads / kv_heads);
         const int64_t slot_start = (rows[unit.first_row].slot * kv_heads + g) * capacity * D;
-        attend_any(unit, qkv.data(), qkv_width, key_pool + slot_start, value_pool + slot_start, visible, D,
-               static_cast<float>(layer.scaling), scores.data(), attended.data(), heads * D, parts);
+        const auto [keys_float, keys_half] = pool_at(key_pool, slot_start);
+        const auto [values_float, values_half] = pool_at(value_pool, slot_start);
+        const float scaling = static_cast<float>(layer.scaling);
+        if (half_pool)
+          attend_any(unit, qkv.data(), qkv_width, keys_half, values_half, visible, D, scaling, scores.data(),
+                     converted.data(), attended.data(), heads * D, parts);
+        else
+          attend_any(unit, qkv.data(), qkv_width, keys_float, values_float, visible, D, scaling, scores.data(),
+                     converted.data(), attended.data(), heads * D, parts);
       }
       done(kAttention);
       for (int64_t r = row_begin; r < row_end; ++r)

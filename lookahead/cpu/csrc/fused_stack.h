@@ -45,11 +45,12 @@ struct FusedStack {
   explicit FusedStack(std::vector<LeanLayer> layers);
 
   // As LeanStack::forward: hidden [B, L, W], cos and sin [B, L, D], the additive mask the decoder
-  // built ([B, 1, L, keys]: 0 where a key is visible), each layer's pool buffers, where the step
-  // writes and reads. A ragged step that carries its rows' own columns (PoolStep::own_offsets)
-  // needs no mask: `mask` is then not read. Returns the last layer's output [B, L, W], passed
-  // through the model's final norm where `final_norm` is given (each thread norms its own rows,
-  // so the stack's caller runs no operation of its own between the layers and the output layer).
+  // built ([B, 1, L, keys]: 0 where a key is visible), each layer's pool buffers (all fp32, or all
+  // fp16: entries stored as IEEE halves and read back as fp32), where the step writes and reads. A
+  // ragged step that carries its rows' own columns (PoolStep::own_offsets) needs no mask: `mask`
+  // is then not read. Returns the last layer's output [B, L, W], passed through the model's final
+  // norm where `final_norm` is given (each thread norms its own rows, so the stack's caller runs
+  // no operation of its own between the layers and the output layer).
   torch::Tensor forward(const torch::Tensor& hidden, const torch::Tensor& cos, const torch::Tensor& sin,
                         const torch::Tensor& mask, const std::vector<torch::Tensor>& keys,
                         const std::vector<torch::Tensor>& values, const PoolStep& step,

@@ -58,6 +58,11 @@ struct F32x16 {
   }
   void store(float* p) const { _mm512_storeu_ps(p, v); }
   void store_first(float* p, int64_t n) const { _mm512_mask_storeu_ps(p, static_cast<__mmask16>((1u << n) - 1), v); }
+  // As IEEE halves, rounded to the nearest (ties to even), as the AVX2 variant rounds.
+  void store_half(uint16_t* p) const {
+    constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(v, kRound));
+  }
 };
 
 struct I32x16 {
@@ -184,6 +189,11 @@ struct F32x16 {
     float lanes[16];
     store(lanes);
     std::memcpy(p, lanes, static_cast<size_t>(n) * sizeof(float));
+  }
+  void store_half(uint16_t* p) const {
+    constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(lo, kRound));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p + 8), _mm256_cvtps_ph(hi, kRound));
   }
 };
 

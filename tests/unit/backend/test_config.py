@@ -61,6 +61,7 @@ def test_values_are_parsed_by_type(tmp_path):
         max_output_tokens="20",
         REPORT_CUSTOM_METRICS="FALSE",
         prefix_cache_tokens="0",
+        kv_cache_dtype="float16",
     )
     assert config.lookahead == LookaheadConfig(
         use_lookahead=False,
@@ -78,6 +79,7 @@ def test_values_are_parsed_by_type(tmp_path):
         False,
     )
     assert config.trie.depth == 7
+    assert config.decoder.kv_cache_dtype == "float16"
     assert config.decoder.prefix_cache_tokens == 0
 
 
@@ -119,6 +121,7 @@ def test_gpu_instances_default_to_their_device(tmp_path):
         ("max_prompt_tokens", "-1", "must be >= 0, got -1"),
         ("max_output_tokens", "1.5", "expected an integer, got '1.5'"),
         ("prefix_cache_tokens", "-1", "must be >= 0, got -1"),
+        ("kv_cache_dtype", "bfloat16", "expected one of model, float16, got 'bfloat16'"),
     ],
 )
 def test_invalid_values_name_the_parameter(tmp_path, name, value, problem):

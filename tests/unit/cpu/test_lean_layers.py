@@ -177,11 +177,15 @@ def test_the_integer_kernel_runs_fused_layers_close_to_the_lean_ones(
     assert 0 < distance < 1e-4  # its own rounding, nowhere near a different computation
 
 
-def long_history_probe(lean: LeanLlamaModel, stack: Any, history: int) -> torch.Tensor:
-    """Hidden states of a stack over a fresh pool: a causal chunk of `history` tokens, then a
-    3-node tree (a root and two children) after it."""
+def long_history_probe(
+    lean: LeanLlamaModel, stack: Any, history: int, pool: list[torch.Tensor] | None = None
+) -> torch.Tensor:
+    """Hidden states of a stack over `pool` (default: a fresh fp32 one, its layers' keys then
+    their values): a causal chunk of `history` tokens, then a 3-node tree (a root and two
+    children) after it."""
     layers, vocab = len(lean.layers), lean.embed_tokens.num_embeddings
-    pool = [torch.zeros(1, lean.config.num_key_value_heads, history + 3, 16) for _ in range(2 * layers)]
+    if pool is None:
+        pool = [torch.zeros(1, lean.config.num_key_value_heads, history + 3, 16) for _ in range(2 * layers)]
     outputs = []
     with torch.inference_mode():
         for tokens, positions, visible in (
@@ -227,6 +231,40 @@ def test_a_long_history_attends_across_softmax_spans_as_the_lean_stack_does(
     assert float(distance[1024:].max()) < 1e-6  # the rows that merge two spans
 
 
+@pytest.mark.parametrize("architecture", ["llama", "qwen2"])
+def test_a_pool_of_halves_holds_each_entry_rounded_to_the_nearest_half(
+    architecture: str, extension: Any
+) -> None:
+    """On a pool of fp16 buffers the fused stack stores each key and value as the IEEE half nearest
+    its fp32 value: the first layer's entries, which no rounded entry has touched yet, are the fp32
+    pool's rounded; the later layers read rounded entries, so the outputs move, by rounding only."""
+    model = integer_tiny_model(architecture, extension)
+    assert use_lean_layers(model, extension, fused=True)
+    lean = model.model
+    assert lean.reads_half_pool
+    heads, layers = lean.config.num_key_value_heads, len(lean.layers)
+    pools = {
+        dtype: [torch.zeros(1, heads, 303, 16, dtype=dtype) for _ in range(2 * layers)]
+        for dtype in (torch.float32, torch.float16)
+    }
+    outputs = {dtype: long_history_probe(lean, lean.stack, 300, pool) for dtype, pool in pools.items()}
+    full, half = pools[torch.float32], pools[torch.float16]
+    assert torch.equal(half[0], full[0].half()) and torch.equal(half[layers], full[layers].half())
+    assert not torch.equal(half[layers - 1], full[layers - 1].half())  # read rounded entries before
+    distance = (outputs[torch.float16] - outputs[torch.float32]).norm() / outputs[torch.float32].norm()
+    assert 0 < float(distance) < 1e-2
+
+
+def test_a_kv_pool_of_halves_is_refused_where_the_layers_cannot_read_one() -> None:
+    from lookahead.runtime.runner import ModelRunner
+
+    stock = build_tiny_model("llama")
+    with pytest.raises(ValueError, match="kv_cache_dtype float16 needs the integer path's fused layers"):
+        ModelRunner(stock, prefix_cache_tokens=0, kv_cache_bytes=0, kv_cache_dtype="float16")
+    runner = ModelRunner(stock, prefix_cache_tokens=0, kv_cache_bytes=0, kv_cache_dtype="model")
+    assert runner.kv_layout.dtype == torch.float32
+
+
 def test_a_fused_stack_that_computes_something_else_is_refused(
     monkeypatch: pytest.MonkeyPatch, extension: Any
 ) -> None:
@@ -252,24 +290,29 @@ def test_the_default_model_on_the_integer_kernel_runs_fused_layers_on_int8_activ
 
 
 @pytest.mark.skipif(not runnable_variants(), reason="no variant of the fast CPU path runs on this CPU")
+@pytest.mark.parametrize("kv_cache_dtype", ["model", "float16"])
 @pytest.mark.parametrize("history", [40, 1020, 2100])
-def test_every_node_of_a_wide_tree_gets_plain_decodings_bits_on_the_fused_stack(history: int) -> None:
+def test_every_node_of_a_wide_tree_gets_plain_decodings_bits_on_the_fused_stack(
+    history: int, kv_cache_dtype: str
+) -> None:
     """Attention units share keys across rows and heads; each node must still see exactly what
     plain decoding of its branch sees, bit for bit. A 40-token history: full and partial blocks of
     16 keys; 20 nodes: units of several rows, own entries past the shared history. 1020: a softmax
     span of 1,024 entries that ends inside the tree. 2100: one that ends inside the shared history,
-    which is long enough that plain decoding's three units are split by spans over two threads."""
+    which is long enough that plain decoding's three units are split by spans over two threads.
+    On a pool of halves too."""
     from lookahead.models.loading import load_model
     from lookahead.runtime.runner import ModelRunner
 
     loaded = load_model(linear_kernel="integer")
     assert type(loaded.model.model.stack).__name__ == "FusedStack"
-    runner = ModelRunner(loaded.model, prefix_cache_tokens=0, kv_cache_bytes=0)
+    runner = ModelRunner(loaded.model, prefix_cache_tokens=0, kv_cache_bytes=0, kv_cache_dtype=kv_cache_dtype)
     prompt = [(37 * i + 11) % 5000 + 100 for i in range(history)]
     parents = [-1, 0, 0, 1, 1, 2, 3, 3, 4, 5, 6, 7, 8, 9, 9, 10, 11, 12, 13, 14]
     tokens = [(53 * i + 7) % 4000 + 300 for i in range(len(parents))]
     with torch.inference_mode(), runner.scratch_slot() as slot:
         runner.forward_drafts([Draft(prompt, [-1, *range(len(prompt) - 1)])], [0], [slot])
+        assert runner.pool.keys[0].dtype == (torch.float16 if kv_cache_dtype == "float16" else torch.float32)
         tree = runner.forward_drafts([Draft(tokens, parents)], [len(prompt)], [slot])[0].clone()
         for node in range(len(parents)):
             branch = [node]
