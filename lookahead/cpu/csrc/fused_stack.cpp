@@ -365,6 +365,39 @@ inline const float* values_as_float(const uint16_t* values, int64_t j0, int64_t 
   return scratch;
 }
 
+// T queries' weighted values over the shared entries [j0, j1): sums[t] += weights[t][j] * value j,
+// the value's `width` chunks at once, with the T x width accumulators in registers. `weights`:
+// the first query's scores by entry number (kScoreStride apart); value j at values + (j - j0) *
+// stride. A query's sums do not depend on which queries share the call.
+template <int64_t T, int64_t width>
+inline void weigh_values(F32x16 (*sums)[width], const float* weights, int64_t j0, int64_t j1, const float* values,
+                         int64_t stride) {
+  F32x16 acc[T][width];
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t c = 0; c < width; ++c) acc[t][c] = sums[t][c];
+  for (int64_t j = j0; j < j1; ++j) {
+    const float* value = values + (j - j0) * stride;
+#pragma GCC unroll 16
+    for (int64_t t = 0; t < T; ++t) {
+      const F32x16 p = F32x16::broadcast(weights[t * kScoreStride + j]);
+#pragma GCC unroll 8
+      for (int64_t c = 0; c < width; ++c) acc[t][c] = F32x16::fmadd(p, F32x16::load(value + c * kLanes), acc[t][c]);
+    }
+  }
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t c = 0; c < width; ++c) sums[t][c] = acc[t][c];
+}
+
+// weigh_values for the `count` < T queries left after the groups of T.
+template <int64_t T, int64_t width>
+inline void weigh_fewer(int64_t count, F32x16 (*sums)[width], const float* weights, int64_t j0, int64_t j1,
+                        const float* values, int64_t stride) {
+  if constexpr (T > 1) {
+    if (count == T - 1) return weigh_values<T - 1, width>(sums, weights, j0, j1, values, stride);
+    return weigh_fewer<T - 1, width>(count, sums, weights, j0, j1, values, stride);
+  }
+}
+
 // What attend converts half entries into: a block of up to 16 keys and a stretch of values.
 constexpr int64_t kValueStretchLanes = 256 * kLanes;
 int64_t converted_floats(int64_t dim) { return kLanes * dim + kValueStretchLanes; }
@@ -470,30 +503,13 @@ void attend(const AttentionUnit& unit, const float* qkv, int64_t qkv_width, cons
         // (rows of width chunks).
         const float* stretch_values = values_as_float(values, j0, j1, dim, d0, width, converted + kLanes * dim);
         const int64_t value_stride = std::is_same_v<Entry, float> ? dim : width * kLanes;
-        for (int64_t first = 0; first < Q; first += T) {
-          const int64_t last = std::min(Q, first + T);
-          // A group short of T queries repeats its last one (results dropped), so that every loop
-          // here has a fixed count and the accumulators stay in registers.
-          const float* weights[T];
-          F32x16 acc[T][width];
-          for (int64_t t = 0; t < T; ++t) {
-            const int64_t i = std::min(first + t, last - 1);
-            weights[t] = scores + i * kScoreStride - e0;
-            for (int64_t c = 0; c < width; ++c) acc[t][c] = sums[i][c];
-          }
-          for (int64_t j = j0; j < j1; ++j) {
-            const float* value = stretch_values + (j - j0) * value_stride;
-#pragma GCC unroll 16
-            for (int64_t t = 0; t < T; ++t) {
-              const F32x16 p = F32x16::broadcast(weights[t][j]);
-#pragma GCC unroll 8
-              for (int64_t c = 0; c < width; ++c)
-                acc[t][c] = F32x16::fmadd(p, F32x16::load(value + c * kLanes), acc[t][c]);
-            }
-          }
-          for (int64_t i = first; i < last; ++i)
-            for (int64_t c = 0; c < width; ++c) sums[i][c] = acc[i - first][c];
+        int64_t first = 0;
+        for (; first + T <= Q; first += T) {
+          const float* weights = scores + first * kScoreStride - e0;
+          weigh_values<T, width>(sums + first, weights, j0, j1, stretch_values, value_stride);
         }
+        const float* weights = scores + first * kScoreStride - e0;
+        weigh_fewer<T, width>(Q - first, sums + first, weights, j0, j1, stretch_values, value_stride);
       }
       for (int64_t i = 0; i < Q; ++i) {
         const auto& entries = seen[i]->entries;
