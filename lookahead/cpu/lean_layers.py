@@ -129,7 +129,7 @@ class LeanLlamaModel(nn.Module):
         # Whether the stack applies the final norm itself (the fused one, within its parallel region).
         self.stack_norms_output = False
         # Whether the stack also runs on a KV pool of fp16 entries (the fused one, where the load
-        # probe stays within FUSED_TOLERANCE on one): half the bytes each step reads.
+        # probe on such a pool stays within HALF_POOL_TOLERANCE): half the memory a position takes.
         self.reads_half_pool = False
         self.pool_step = extension.PoolStep
         self._stock = (stock,)  # a tuple keeps it out of the module tree: its modules are ours

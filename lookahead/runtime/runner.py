@@ -93,7 +93,8 @@ class ModelRunner:
         if self.half_pool and not getattr(self.inner, "reads_half_pool", False):
             raise ValueError(
                 "kv_cache_dtype float16 needs the integer path's fused layers (linear_kernel auto or "
-                "integer, on an x86-64 CPU with AVX2 or AVX-512), which this model does not run on"
+                "integer, on an x86-64 CPU with AVX2 or AVX-512) and their load check on a pool of "
+                "halves; this model runs without them: use kv_cache_dtype model"
             )
         self._kv_layout: KVLayout | None = None
         self.core_budget = core_budget

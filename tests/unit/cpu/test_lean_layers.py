@@ -255,6 +255,16 @@ def test_a_pool_of_halves_holds_each_entry_rounded_to_the_nearest_half(
     assert 0 < float(distance) < 1e-2
 
 
+def test_a_pool_of_halves_that_moves_the_load_probe_too_far_is_not_taken(
+    monkeypatch: pytest.MonkeyPatch, extension: Any
+) -> None:
+    monkeypatch.setattr(lean_layers, "HALF_POOL_TOLERANCE", 0.0)  # its rounding counts as too far
+    model = integer_tiny_model("llama", extension)
+    assert use_lean_layers(model, extension, fused=True)
+    assert type(model.model.stack).__name__ == "FusedStack"
+    assert not model.model.reads_half_pool
+
+
 def test_a_kv_pool_of_halves_is_refused_where_the_layers_cannot_read_one() -> None:
     from lookahead.runtime.runner import ModelRunner
 
